@@ -1,0 +1,70 @@
+"""Shared fixtures: the real SmolLM2 tokenizer (offline, packaged) and tiny random models of real architectures."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Tests never reach the network: the packaged assets are all they need.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = pytest.mark.skip(reason="needs an NVIDIA GPU (cuda marker)")
+    if not torch.cuda.is_available():
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip_cuda)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The real SmolLM2-135M-Instruct tokenizer (ChatML template, eos = pad = <|im_end|> = 2)."""
+    from transformers import AutoTokenizer
+
+    from lit_packing.assets import resolve_pretrained
+
+    return AutoTokenizer.from_pretrained(resolve_pretrained("smollm2", with_model=False))
+
+
+@pytest.fixture(scope="session")
+def gpt2_tokenizer():
+    """The real GPT-2 BPE tokenizer (no chat template)."""
+    from transformers import AutoTokenizer
+
+    from lit_packing.assets import resolve_pretrained
+
+    return AutoTokenizer.from_pretrained(resolve_pretrained("gpt2-tokenizer"))
+
+
+# Tiny random configs of real architectures: SmolLM2's family (Llama) and two others.
+TINY_CONFIGS = {
+    "llama": dict(
+        model_type="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+    ),
+    "qwen2": dict(
+        model_type="qwen2", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+    ),
+    "gpt_neox": dict(
+        model_type="gpt_neox", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=2048, rotary_pct=0.5,
+    ),
+}
+
+
+@pytest.fixture(params=sorted(TINY_CONFIGS))
+def tiny_config(request) -> dict:
+    """A tiny random-init config (2 layers, hidden 64) for each supported family."""
+    return dict(TINY_CONFIGS[request.param])
+
+
+@pytest.fixture
+def tiny_llama_config() -> dict:
+    return dict(TINY_CONFIGS["llama"])
