@@ -1,0 +1,98 @@
+"""PackingMonitor: how full every step is, from the host-side counts the collator puts in each batch.
+
+    Trainer(callbacks=[PackingMonitor()])   # logs train/padding_ratio, train/packing_efficiency, ...
+
+No tensor is read back from the device: every number comes from `batch["counts"]` (Python ints).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lit_packing.data.collate import COUNTS
+
+
+def padding_metrics(counts: dict[str, int]) -> dict[str, float]:
+    """Per-step packing metrics from one batch's (or a sum of batches') counts.
+
+    Example: 28 real tokens in 32 slots -> padding_ratio 0.125, packing_efficiency 0.875.
+    """
+    slots = max(counts["slot_tokens"], 1)
+    return {
+        "padding_ratio": (counts["slot_tokens"] - counts["real_tokens"]) / slots,
+        "packing_efficiency": counts["real_tokens"] / slots,
+    }
+
+
+class PackingMonitor(pl.Callback):
+    """Log padding ratio, packing efficiency, examples, real / label tokens per step and per epoch.
+
+    Per step (`train/...`): `padding_ratio` (pad slots / slots), `packing_efficiency` (real / slots),
+    `examples_per_step`, `real_tokens`, `label_tokens`, and the running totals `truncated_tokens` (cut by the
+    data's overlong policy in the batches seen so far) and `dropped_tokens` / `dropped_examples` (removed before
+    sampling, from the data module's report). Per epoch: `train/epoch_padding_ratio`,
+    `train/epoch_packing_efficiency`. With several ranks, at logging steps: `train/rank_token_imbalance` and
+    `train/rank_attn_imbalance` (max / mean over ranks of real tokens and of attention cost sum(L^2)).
+
+    Args:
+        prog_bar: show padding ratio in the progress bar.
+    """
+
+    def __init__(self, prog_bar: bool = True) -> None:
+        self.prog_bar = prog_bar
+        self.epoch_totals: Counter[str] = Counter()
+        self.truncated_tokens = 0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.epoch_totals = Counter()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        counts = batch[COUNTS]
+        self.epoch_totals.update(counts)
+        self.truncated_tokens += counts["truncated_tokens"]
+        step = padding_metrics(counts)
+        metrics = {
+            "train/padding_ratio": step["padding_ratio"],
+            "train/packing_efficiency": step["packing_efficiency"],
+            "train/examples_per_step": float(counts["examples"]),
+            "train/real_tokens": float(counts["real_tokens"]),
+            "train/label_tokens": float(counts["label_tokens"]),
+            "train/truncated_tokens": float(self.truncated_tokens),
+            **self._dropped(trainer),
+        }
+        if trainer.world_size > 1 and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
+            metrics.update(self._rank_imbalance(pl_module, counts))
+        for name, value in metrics.items():
+            pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1, prog_bar=False)
+        if self.prog_bar:
+            pl_module.log("pad", step["padding_ratio"], on_step=True, batch_size=1, prog_bar=True, logger=False)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.epoch_totals:
+            return
+        epoch = padding_metrics(self.epoch_totals)
+        pl_module.log("train/epoch_padding_ratio", epoch["padding_ratio"], on_epoch=True, batch_size=1)
+        pl_module.log("train/epoch_packing_efficiency", epoch["packing_efficiency"], on_epoch=True, batch_size=1)
+
+    @staticmethod
+    def _dropped(trainer: pl.Trainer) -> dict[str, float]:
+        report = getattr(trainer.datamodule, "report", None) if trainer.datamodule is not None else None
+        if report is None:
+            return {}
+        return {
+            "train/dropped_tokens": float(report.dropped_tokens),
+            "train/dropped_examples": float(report.dropped_examples),
+        }
+
+    @staticmethod
+    def _rank_imbalance(pl_module: pl.LightningModule, counts: dict[str, int]) -> dict[str, float]:
+        local = torch.tensor([counts["real_tokens"], counts["attn_cost"]], dtype=torch.float64, device=pl_module.device)
+        gathered = pl_module.all_gather(local).reshape(-1, 2)  # (world_size, 2)
+        ratio = (gathered.max(0).values / gathered.mean(0).clamp_min(1)).tolist()
+        return {"train/rank_token_imbalance": ratio[0], "train/rank_attn_imbalance": ratio[1]}

@@ -1,0 +1,166 @@
+"""TokenThroughputMonitor: effective (real-token) throughput, FLOP/s, MFU, peak memory, and an end-of-fit summary.
+
+    Trainer(callbacks=[TokenThroughputMonitor(window=20)])   # logs train/effective_tokens_per_sec, ...
+
+Tokens come from the host-side `batch["counts"]`; time is the host clock between batch ends, never a device sync:
+over a window of steps the host cannot run ahead of the device by more than a step or two, so the windowed rate
+converges to the device's.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections import Counter, deque
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.throughput import get_available_flops
+from rich.console import Console
+from rich.table import Table
+
+from lit_packing.data.collate import COUNTS
+
+_RATES = {  # logged name -> count it divides by time
+    "effective_tokens_per_sec": "real_tokens",
+    "label_tokens_per_sec": "label_tokens",
+    "slot_tokens_per_sec": "slot_tokens",
+    "examples_per_sec": "examples",
+}
+
+
+def model_shape(model: torch.nn.Module) -> dict[str, int]:
+    """Parameters that do matmuls, layers and attention width of a Hugging Face model (for FLOP counts)."""
+    config = model.config.get_text_config() if hasattr(model, "config") else None
+    params = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if embed is not None and (output is None or output.weight is not embed.weight):
+        params -= embed.weight.numel()  # a lookup, not a matmul; a tied matrix still counts once (the LM head)
+    if config is None:
+        return {"matmul_params": params, "layers": 0, "attn_width": 0}
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return {"matmul_params": params, "layers": config.num_hidden_layers, "attn_width": heads * head_dim}
+
+
+def train_flops(shape: dict[str, int], counts: dict[str, int]) -> float:
+    """FLOPs of one forward + backward on a batch: 6 * params * slot tokens + the attention it really costs.
+
+    Attention is 12 * layers * width per (query, key) pair (PaLM's convention), over `attn_cost` pairs: sum(L^2)
+    for a packed batch, rows * max(L)^2 for a padded one -- never T^2 for a packed row.
+    """
+    return (
+        6.0 * shape["matmul_params"] * counts["slot_tokens"]
+        + 12.0 * shape["layers"] * shape["attn_width"] * counts["attn_cost"]
+    )
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak device memory allocated (CUDA), or the process's peak resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+class TokenThroughputMonitor(pl.Callback):
+    """Log effective tokens/s (real tokens only) and friends every step, smoothed over a window of steps.
+
+    Logged (`train/...`): `effective_tokens_per_sec`, `label_tokens_per_sec`, `slot_tokens_per_sec`,
+    `examples_per_sec`, `tflops_per_sec` (with attention FLOPs from the batch's real attention cost), `mfu` where
+    the device's peak is known (Lightning's table of chips), `peak_memory_gb`. Rates are totals across ranks.
+    At the end of `fit` a summary table is printed.
+
+    Args:
+        window: number of steps the rates are averaged over.
+        summary: print the end-of-fit summary table.
+    """
+
+    def __init__(self, window: int = 20, summary: bool = True) -> None:
+        self.window = window
+        self.summary = summary
+        self.totals: Counter[str] = Counter()
+        self.train_seconds = 0.0
+        self._recent: deque[tuple[float, Counter[str]]] = deque(maxlen=window + 1)
+        self._shape: dict[str, int] = {}
+        self._peak_flops: float | None = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        model = getattr(pl_module, "model", pl_module)
+        self._shape = model_shape(model)
+        dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(str(trainer.precision).split("-")[0], torch.float32)
+        self._peak_flops = get_available_flops(pl_module.device, dtype)
+        if self._peak_flops is not None:
+            self._peak_flops *= trainer.world_size
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restart_clock()  # the dataloader restart is not training time
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restart_clock()  # nor is validation in the middle of an epoch
+
+    def _restart_clock(self) -> None:
+        self._recent.clear()
+        self._recent.append((time.perf_counter(), Counter()))
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.perf_counter()
+        counts = Counter(batch[COUNTS])
+        counts["flops"] = train_flops(self._shape, batch[COUNTS]) if self._shape else 0.0
+        self.train_seconds += now - self._recent[-1][0]
+        self.totals.update(counts)
+        self._recent.append((now, counts))
+        for name, value in self.rates(trainer, pl_module).items():
+            pl_module.log(
+                f"train/{name}", value, on_step=True, batch_size=1, prog_bar=name == "effective_tokens_per_sec"
+            )
+
+    def rates(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
+        """Windowed rates over the steps in `_recent`, summed over ranks."""
+        elapsed = self._recent[-1][0] - self._recent[0][0]
+        window: Counter[str] = Counter()
+        for _, counts in list(self._recent)[1:]:
+            window.update(counts)
+        names = [*_RATES.values(), "flops"]
+        values = [float(window[name]) for name in names]
+        if trainer.world_size > 1:
+            values = trainer.strategy.reduce(
+                torch.tensor(values, dtype=torch.float64, device=pl_module.device), reduce_op="sum"
+            ).tolist()
+        summed = dict(zip(names, values))
+        elapsed = max(elapsed, 1e-9)
+        metrics = {name: summed[count] / elapsed for name, count in _RATES.items()}
+        metrics["tflops_per_sec"] = summed["flops"] / elapsed / 1e12
+        if self._peak_flops:
+            metrics["mfu"] = summed["flops"] / elapsed / self._peak_flops
+        metrics["peak_memory_gb"] = peak_memory_gb(pl_module.device)
+        return metrics
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.summary and trainer.is_global_zero and self.totals:
+            Console().print(self.summary_table(trainer, pl_module))
+
+    def summary_table(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Table:
+        """Steps, examples, real tokens, padding, effective tokens/s, peak memory, final losses (this rank's data)."""
+        totals, seconds = self.totals, max(self.train_seconds, 1e-9)
+        metrics = trainer.callback_metrics
+        rows = [
+            ("optimizer steps", f"{trainer.global_step:,}"),
+            ("examples", f"{totals['examples']:,}"),
+            ("real tokens", f"{totals['real_tokens']:,}"),
+            ("slot tokens", f"{totals['slot_tokens']:,}"),
+            ("padding ratio", f"{(totals['slot_tokens'] - totals['real_tokens']) / max(totals['slot_tokens'], 1):.3f}"),
+            ("effective tokens/s", f"{totals['real_tokens'] / seconds:,.1f}"),
+            ("train time", f"{seconds:,.1f} s"),
+            ("peak memory", f"{peak_memory_gb(pl_module.device):.2f} GiB"),
+        ]
+        for key in ("train/loss", "val/loss", "val/perplexity"):
+            if key in metrics:
+                rows.append((key, f"{float(metrics[key]):.4f}"))
+        table = Table(title="lit_packing fit summary", show_header=False)
+        for name, value in rows:
+            table.add_row(name, value)
+        return table
