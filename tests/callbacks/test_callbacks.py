@@ -1,0 +1,96 @@
+"""Callbacks against fixed batches and a patched clock: the exact values that reach the logger."""
+
+import csv
+import itertools
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from lit_packing.callbacks import PackingMonitor, TokenThroughputMonitor
+from lit_packing.callbacks import throughput as throughput_module
+from lit_packing.data.collate import PackedCollator, PaddedCollator
+
+BATCH_LENGTHS = [(4, 8, 5, 11), (30,), (3, 3)]
+STEP_SECONDS = 0.5
+
+
+def examples(lengths):
+    return [{"input_ids": list(range(1, n + 1)), "labels": list(range(1, n + 1))} for n in lengths]
+
+
+class FixedBatches(pl.LightningModule):
+    """The smallest real LightningModule: one weight, a loss that touches it, batches given up front."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+        self.weight = torch.nn.Parameter(torch.ones(3))
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.batches, batch_size=None, collate_fn=lambda b: b)
+
+    def training_step(self, batch, batch_idx):
+        return self.weight.sum() * 0.0 + batch["input_ids"].float().mean() * self.weight[0]
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def fit(tmp_path, monkeypatch, batches):
+    ticks = itertools.count()
+    monkeypatch.setattr(throughput_module.time, "perf_counter", lambda: next(ticks) * STEP_SECONDS)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        logger=CSVLogger(tmp_path),
+        callbacks=[PackingMonitor(), TokenThroughputMonitor(window=2)],
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+    trainer.fit(FixedBatches(batches))
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        rows = [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(f)]
+    return trainer, [row for row in rows if "train/padding_ratio" in row]
+
+
+def test_packed_steps_log_exact_padding_and_windowed_throughput(tmp_path, monkeypatch):
+    collate = PackedCollator(pad_to_multiple_of=16)
+    trainer, rows = fit(tmp_path, monkeypatch, [collate(examples(lengths)) for lengths in BATCH_LENGTHS])
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    # slots: 28 -> 32, 30 -> 32, 6 -> 16
+    assert [row["train/padding_ratio"] for row in rows] == pytest.approx([4 / 32, 2 / 32, 10 / 16])
+    assert [row["train/packing_efficiency"] for row in rows] == pytest.approx([28 / 32, 30 / 32, 6 / 16])
+    assert [row["train/examples_per_step"] for row in rows] == [4, 1, 2]
+    assert [row["train/real_tokens"] for row in rows] == [28, 30, 6]
+    assert [row["train/label_tokens"] for row in rows] == [24, 29, 4]
+    # Window of 2 steps, 0.5 s apart on the patched clock.
+    expected_rates = [28 / 0.5, (28 + 30) / 1.0, (30 + 6) / 1.0]
+    assert [row["train/effective_tokens_per_sec"] for row in rows] == pytest.approx(expected_rates)
+    assert [row["train/slot_tokens_per_sec"] for row in rows] == pytest.approx([32 / 0.5, 64 / 1.0, 48 / 1.0])
+    assert [row["train/examples_per_sec"] for row in rows] == pytest.approx([4 / 0.5, 5 / 1.0, 3 / 1.0])
+    params = 3  # FixedBatches has no attention: FLOPs are 6 * params * slot tokens
+    assert rows[0]["train/tflops_per_sec"] == pytest.approx(6 * params * 32 / 0.5 / 1e12)
+    assert rows[0]["train/peak_memory_gb"] > 0
+    epoch = trainer.callback_metrics
+    assert float(epoch["train/epoch_padding_ratio"]) == pytest.approx((80 - 64) / 80)
+
+
+def test_padded_batches_count_pad_slots(tmp_path, monkeypatch):
+    collate = PaddedCollator(pad_token_id=0)
+    _, rows = fit(tmp_path, monkeypatch, [collate(examples(lengths)) for lengths in BATCH_LENGTHS])
+    # (4, 8, 5, 11) padded to 4 x 11 = 44 slots with 28 real tokens
+    assert rows[0]["train/padding_ratio"] == pytest.approx(16 / 44)
+    assert rows[1]["train/padding_ratio"] == 0.0
+
+
+def test_flops_count_the_attention_the_batch_really_costs():
+    shape = {"matmul_params": 1000, "layers": 2, "attn_width": 8}
+    packed = PackedCollator()(examples((4, 8, 5, 11)))["counts"]
+    padded = PaddedCollator()(examples((4, 8, 5, 11)))["counts"]
+    attn = 12 * 2 * 8
+    assert throughput_module.train_flops(shape, packed) == 6 * 1000 * 28 + attn * (16 + 64 + 25 + 121)
+    assert throughput_module.train_flops(shape, padded) == 6 * 1000 * 44 + attn * 4 * 121
