@@ -1,0 +1,235 @@
+"""The base every sampler shares: lengths in, one epoch's global plan of packs, packs dealt to ranks, resumable state.
+
+A sampler is a batch sampler: each item it yields is the list of dataset indices of ONE micro-step on THIS rank
+(a "pack"; for ``FixedLengthPackingSampler`` a list of ``(index, start, stop)`` token slices). Every epoch runs in
+two stages, identical on every rank:
+
+1. ``plan(epoch)``: the strategy turns ``lengths`` into the epoch's global list of packs (a ``PackPlan``),
+   deterministic per ``(seed, epoch)`` and cached, so ``__len__`` and ``__iter__`` plan once per epoch.
+2. Dealing: packs go to ranks round-robin (pack ``p`` to rank ``p % world_size`` at step ``p // world_size``).
+   When the number of packs is not a multiple of ``world_size`` the last step is completed with EMPTY packs
+   ``[]``, which the collator turns into a 1-token, all-masked batch that adds zero loss: every rank takes the same
+   number of steps (no hang) and no example is dropped. ``drop_last=True`` drops those last packs instead.
+
+Worked example: 5 packs ``[P0, P1, P2, P3, P4]``, ``world_size=2`` -> rank 0 yields ``P0, P2, P4``, rank 1 yields
+``P1, P3, []``; with ``drop_last=True`` rank 0 yields ``P0, P2`` and rank 1 ``P1, P3``.
+
+Usage: ``sampler = BestFitPackingSampler(lengths, max_tokens=4096); DataLoader(ds, batch_sampler=sampler)``
+(with Lightning, set ``Trainer(use_distributed_sampler=False)``: the samplers shard themselves).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+
+@dataclass(frozen=True, eq=False)
+class PackPlan:
+    """One epoch's global packs, before dealing to ranks, in CSR form: pack ``p`` is ``items[offsets[p]:offsets[p+1]]``.
+
+    Attributes:
+        items: (n_items,) int64 dataset indices, or (n_items, 3) int64 ``(index, start, stop)`` token slices.
+        offsets: (n_packs + 1,) int64, ``offsets[0] == 0``.
+        tokens: (n_items,) int64 real tokens of each item (its length, or ``stop - start`` for a slice).
+        max_tokens: token budget of one pack, or None when packs hold a fixed number of examples.
+    """
+
+    items: np.ndarray
+    offsets: np.ndarray
+    tokens: np.ndarray
+    max_tokens: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def pack(self, p: int) -> list:
+        """Pack ``p`` as a list of ints (or of ``(index, start, stop)`` tuples); ``p == -1`` is the empty pack."""
+        if p < 0:
+            return []
+        rows = self.items[self.offsets[p] : self.offsets[p + 1]].tolist()
+        return rows if self.items.ndim == 1 else [tuple(r) for r in rows]
+
+    def packs(self) -> list[list]:
+        """All packs, in plan order (for reports and tests; iteration does not build this list)."""
+        return [self.pack(p) for p in range(len(self))]
+
+    def examples_per_pack(self) -> np.ndarray:
+        """(n_packs,) int64 number of items in each pack."""
+        return np.diff(self.offsets)
+
+    def tokens_per_pack(self) -> np.ndarray:
+        """(n_packs,) int64 real tokens in each pack."""
+        return np.diff(np.concatenate([[0], np.cumsum(self.tokens)])[self.offsets])
+
+    def sq_tokens_per_pack(self) -> np.ndarray:
+        """(n_packs,) int64 sum of squared item lengths in each pack (the attention-cost term of a varlen batch)."""
+        return np.diff(np.concatenate([[0], np.cumsum(self.tokens**2)])[self.offsets])
+
+
+def deal(n_packs: int, world_size: int, drop_last: bool = False) -> np.ndarray:
+    """Round-robin schedule of packs over ranks: (steps, world_size) int64 pack ids, -1 for an empty pack.
+
+    ``deal(5, 2)`` -> ``[[0, 1], [2, 3], [4, -1]]``; ``deal(5, 2, drop_last=True)`` -> ``[[0, 1], [2, 3]]``.
+    """
+    steps = n_packs // world_size if drop_last else -(-n_packs // world_size)
+    schedule = np.arange(steps * world_size, dtype=np.int64)
+    schedule[schedule >= n_packs] = -1
+    return schedule.reshape(steps, world_size)
+
+
+class PlannedBatchSampler(Sampler[list]):
+    """Base of every sampler: validation, rank resolution, per-epoch plan cache, dealing, resumable iteration.
+
+    Subclasses implement ``_build_plan(epoch, rng) -> PackPlan``; everything else lives here.
+
+    Args:
+        lengths: (n,) tokens per example.
+        seed: base of the per-epoch random stream ``np.random.default_rng([seed, epoch])``.
+        shuffle: randomise the plan per epoch; False gives the same plan every epoch.
+        drop_last: drop the packs that do not fill the last step on every rank (and, for the batch samplers, the
+            last incomplete batch; for ``FixedLengthPackingSampler``, the last short row). Default False: nothing
+            is dropped, missing packs of the last step are empty packs ``[]``.
+        rank: this process's rank; None reads ``torch.distributed`` when initialised, else 0.
+        world_size: number of ranks; None reads ``torch.distributed`` when initialised, else 1.
+    """
+
+    _cache_size = 2  # the current epoch, plus one other a report may ask for
+
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        lengths = np.asarray(lengths)
+        if lengths.ndim != 1 or (lengths.size and not np.issubdtype(lengths.dtype, np.integer)):
+            raise ValueError(
+                f"lengths must be a 1-D array of integer token counts, got shape {lengths.shape} "
+                f"and dtype {lengths.dtype}"
+            )
+        if lengths.size and lengths.min() < 0:
+            i = int(np.argmin(lengths))
+            raise ValueError(f"lengths must be >= 0: example {i} has {lengths[i]} tokens")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.lengths = lengths.astype(np.int64, copy=False)
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self._rank = rank
+        self._world_size = world_size
+        self.epoch = 0
+        self._yielded = 0  # batches this rank handed out in the current epoch (resume point)
+        self._resume = False  # True after load_state_dict: the next __iter__ starts at self._yielded
+        self._plans: OrderedDict[tuple[int, int], PackPlan] = OrderedDict()
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank={self.rank} must be < world_size={self.world_size}")
+
+    @property
+    def rank(self) -> int:
+        if self._rank is not None:
+            return self._rank
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        if self._world_size is not None:
+            return self._world_size
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    @property
+    def sampler(self) -> PlannedBatchSampler:
+        """This sampler: Lightning calls ``set_epoch`` on ``dataloader.batch_sampler.sampler``, never on the batch
+        sampler itself (``lightning.fabric.utilities.data._set_sampler_epoch``); this way the call reaches us."""
+        return self
+
+    def _build_plan(self, epoch: int, rng: np.random.Generator) -> PackPlan:
+        raise NotImplementedError
+
+    def plan(self, epoch: int | None = None) -> PackPlan:
+        """The global packs of ``epoch`` (default: the current one), identical on every rank; cached.
+
+        A packing report reads steps, real tokens, fill (``tokens_per_pack().sum() / (len(plan) * max_tokens)``),
+        examples per pack and ``sq_tokens_per_pack()`` from it without iterating the sampler.
+        """
+        epoch = self.epoch if epoch is None else epoch
+        key = (self.seed, epoch if self.shuffle else 0)
+        if key not in self._plans:
+            self._plans[key] = self._build_plan(epoch, np.random.default_rng(list(key)))
+            while len(self._plans) > self._cache_size:
+                self._plans.popitem(last=False)
+        self._plans.move_to_end(key)
+        return self._plans[key]
+
+    def schedule(self, epoch: int | None = None) -> np.ndarray:
+        """(steps, world_size) pack ids of ``epoch`` per step and rank, -1 for an empty pack (see ``deal``)."""
+        return deal(len(self.plan(epoch)), self.world_size, self.drop_last)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch to plan; a pending resume point survives only if it belongs to this epoch."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._yielded = 0
+            self._resume = False
+
+    def __len__(self) -> int:
+        return len(self.schedule())
+
+    def __iter__(self) -> Iterator[list]:
+        # Not a generator function: the resume point is consumed (and the count reset) when iter() is called.
+        plan, column = self.plan(), self.schedule()[:, self.rank]
+        start = self._yielded if self._resume else 0
+        self._yielded, self._resume = start, False
+        return self._batches(plan, column, start)
+
+    def _batches(self, plan: PackPlan, column: np.ndarray, start: int) -> Iterator[list]:
+        for step in range(start, len(column)):
+            self._yielded = step + 1  # counted before the yield: a state_dict taken now includes this batch
+            yield plan.pack(int(column[step]))
+
+    def state_dict(self) -> dict[str, int]:
+        """What resuming mid-epoch needs: the epoch, the seed and the batches this rank already yielded in it.
+
+        The count is the same on every rank (equal step counts). A DataLoader runs ahead of training by its
+        prefetch depth: to resume at the last *trained* batch, store that batch count as ``batches_yielded``.
+        """
+        return {"epoch": self.epoch, "seed": self.seed, "batches_yielded": self._yielded}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``: the next ``__iter__`` yields exactly the batches not yet yielded."""
+        self.epoch = int(state["epoch"])
+        self.seed = int(state["seed"])
+        self._yielded = int(state["batches_yielded"])
+        self._resume = True
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(n={len(self.lengths)}, seed={self.seed}, shuffle={self.shuffle}, "
+            f"drop_last={self.drop_last}, rank={self.rank}, world_size={self.world_size})"
+        )
+
+
+def check_max_tokens(lengths: np.ndarray, max_tokens: int) -> None:
+    """Raise a ValueError naming the first example over the token budget and the settings that fix it."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    over = np.flatnonzero(lengths > max_tokens)
+    if over.size:
+        i = int(over[0])
+        more = f" ({over.size:,} examples over budget, longest {int(lengths.max()):,} tokens)" if over.size > 1 else ""
+        raise ValueError(
+            f"example {i} has {int(lengths[i]):,} tokens > max_tokens={max_tokens:,}{more}: raise sampler max_tokens "
+            f"(data.sampler.init_args.max_tokens) or set data.max_length <= {max_tokens:,} with data.overlong=truncate"
+        )

@@ -1,0 +1,59 @@
+"""Fixed-size random mini-batches: the paper's padding baseline (padded collator) and mini-batch packing (packed).
+
+Usage: ``RandomBatchSampler(lengths, batch_size=8)``; in YAML
+``sampler: {class_path: lit_packing.samplers.RandomBatchSampler, init_args: {batch_size: 8}}``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lit_packing.samplers.base import PackPlan, PlannedBatchSampler
+
+
+def batch_offsets(n: int, batch_size: int, drop_last: bool) -> np.ndarray:
+    """Boundaries of consecutive batches of ``batch_size`` over ``n`` items; the short tail is kept unless drop_last.
+
+    ``batch_offsets(10, 4, False)`` -> ``[0, 4, 8, 10]``; with drop_last -> ``[0, 4, 8]``.
+    """
+    end = n - n % batch_size if drop_last else n
+    return np.append(np.arange(0, end, batch_size, dtype=np.int64), end)
+
+
+class RandomBatchSampler(PlannedBatchSampler):
+    """``batch_size`` examples per step on every rank, in a random order per epoch.
+
+    Packs hold a fixed number of examples (not a token budget), so an epoch has ``ceil(n / batch_size)`` global
+    batches and the same optimizer steps as padding: with the padded collator this is the paper's padding baseline,
+    with the packed collator its mini-batch packing. With ``world_size`` ranks each step consumes
+    ``world_size * batch_size`` examples.
+
+    Worked example: lengths ``[5, 9, 2, 7, 4]``, ``batch_size=2, shuffle=False`` -> packs ``[[0, 1], [2, 3], [4]]``
+    (``drop_last=True`` -> ``[[0, 1], [2, 3]]``).
+
+    Args:
+        lengths: (n,) tokens per example (only its size matters here).
+        batch_size: examples per step per rank.
+        seed, shuffle, drop_last, rank, world_size: see ``PlannedBatchSampler``.
+    """
+
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        batch_size: int = 8,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size = batch_size
+        super().__init__(lengths, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size)
+
+    def _build_plan(self, epoch: int, rng: np.random.Generator) -> PackPlan:
+        n = len(self.lengths)
+        order = rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
+        return PackPlan(order, batch_offsets(n, self.batch_size, self.drop_last), self.lengths[order])

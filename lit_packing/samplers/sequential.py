@@ -1,0 +1,51 @@
+"""Next-fit packing in data order: packs keep the examples' order, for curricula and streaming-like data.
+
+Usage: ``SequentialPackingSampler(lengths, max_tokens=4096)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lit_packing.samplers import kernels
+from lit_packing.samplers.base import PackPlan, PlannedBatchSampler, check_max_tokens
+
+
+class SequentialPackingSampler(PlannedBatchSampler):
+    """Walk the examples in order, filling the current pack until the next example does not fit (next-fit).
+
+    Order-preserving, so ``shuffle=False`` is the default; ``shuffle=True`` next-fits a random permutation
+    (a token-budget version of random mini-batches); then the number of packs, hence ``len()``, changes slightly
+    from epoch to epoch (Lightning reads it once per dataloader load). Packs are yielded in stream order: dealt
+    round-robin, rank ``r`` gets packs ``r, r + world_size, ...``.
+
+    Worked example: lengths ``[6, 5, 3, 4, 2]``, ``max_tokens=10`` -> 6 opens a pack, 5 does not fit (11 > 10) and
+    opens the next, 3 joins it, 4 does not fit (12) and opens a third, 2 joins it -> packs
+    ``[[0], [1, 2], [3, 4]]`` of 6, 8 and 6 tokens (best-fit-decreasing needs 2, see ``BestFitPackingSampler``).
+
+    Args:
+        lengths: (n,) tokens per example, each <= ``max_tokens`` (else ValueError naming the example).
+        max_tokens: token budget of one pack.
+        seed, shuffle, drop_last, rank, world_size: see ``PlannedBatchSampler``.
+    """
+
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        max_tokens: int = 4096,
+        *,
+        seed: int = 0,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        super().__init__(lengths, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size)
+        check_max_tokens(self.lengths, max_tokens)
+        self.max_tokens = max_tokens
+
+    def _build_plan(self, epoch: int, rng: np.random.Generator) -> PackPlan:
+        n = len(self.lengths)
+        order = rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
+        offsets = kernels.next_fit(self.lengths[order], self.max_tokens)
+        return PackPlan(order, offsets, self.lengths[order], self.max_tokens)
