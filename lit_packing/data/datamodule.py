@@ -1,0 +1,301 @@
+"""The LightningDataModule: source -> tokenize (cached) -> deterministic split -> packing sampler + collator.
+
+    dm = PackingDataModule(source=Chatterbot(), max_length=512); dm.prepare_data(); dm.setup("fit")
+
+`prepare_data` loads the source and tokenizes it into the `datasets` disk cache (once, on one process); `setup`
+runs the same steps, which now hit the cache, splits off the validation set and builds the datasets. Samplers and
+the collator are built late from factories, because the lengths and the pad id are only known then:
+
+    sampler(train_lengths, seed=seed)                 # a batch sampler: one pack of example indices per step
+    collator(pad_token_id)                            # list of examples -> one batch
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, Literal
+
+import datasets
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader, Sampler
+
+from lit_packing.assets import resolve_pretrained
+from lit_packing.data.collate import PackedCollator, PaddedCollator
+from lit_packing.data.sources import ChampChats, Source
+from lit_packing.data.tokenize import INDEX, TokenizationReport, TokenizedDataset, column, tokenize_dataset
+from lit_packing.samplers import BestFitPackingSampler
+
+VALIDATION_SPLITS = ("validation", "test")  # a source's own split used for validation, first found
+
+
+def split_rows(n: int, val_split: int | float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic train / validation split of rows `0..n-1`: `(train_rows, val_rows)`, each sorted.
+
+    Args:
+        n: number of examples.
+        val_split: a fraction in [0, 1) (float) or a count (int) of validation examples; a fraction > 0 keeps at
+            least one.
+        seed: the same seed always gives the same split (`numpy.random.default_rng(seed).permutation(n)`).
+    """
+    if isinstance(val_split, float):
+        if not 0 <= val_split < 1:
+            raise ValueError(f"val_split={val_split}: a float is a fraction in [0, 1); use an int for a count")
+        n_val = min(max(round(val_split * n), 1 if val_split > 0 else 0), n - 1) if n else 0
+    else:
+        if not 0 <= val_split < max(n, 1):
+            raise ValueError(f"val_split={val_split} examples leaves no training data out of {n:,}: lower it")
+        n_val = val_split
+    order = np.random.default_rng(seed).permutation(n)
+    return np.sort(order[n_val:]), np.sort(order[:n_val])
+
+
+def _accepts(factory: Callable, name: str) -> bool:
+    """Whether `factory` (a class, function or `functools.partial` of one, as jsonargparse builds) takes `name`."""
+    target = factory
+    while isinstance(target, functools.partial):
+        # jsonargparse gives partial(call_without_instantiate_context, instantiator, cls, **init_args).
+        classes = [arg for arg in target.args if inspect.isclass(arg)]
+        target = classes[0] if classes else target.func
+    try:
+        parameters = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+class _EpochForwardingBatchSampler(Sampler[list]):
+    """Hands a packing sampler to the DataLoader as `batch_sampler` so that Lightning sets its epoch.
+
+    Lightning's `_set_sampler_epoch` (lightning/fabric/utilities/data.py, called by the fit loop at every epoch
+    start) calls `set_epoch` on `dataloader.sampler` and on `dataloader.batch_sampler.sampler`, never on the batch
+    sampler itself; exposing the packing sampler as `.sampler` puts it where Lightning looks.
+    """
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self):
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class PackingDataModule(LightningDataModule):
+    """Packed fine-tuning data: any source, the model's tokenizer and chat template, a packing batch sampler.
+
+    Args:
+        source: where examples come from (a `lit_packing.data.sources` class); None means `ChampChats()`.
+        tokenizer: `smollm2`, `gpt2-tokenizer`, a local folder or a Hub id (via `resolve_pretrained`).
+        max_length: most tokens per example.
+        overlong: examples over `max_length`: `truncate` (keep the first tokens), `drop` or `error`.
+        train_on: `completion` (assistant turns / completions; default) or `all` tokens.
+        val_split: validation fraction (float) or count (int), split off with `seed` from the examples before
+            tokenization; ignored when the source has its own `validation` (or `test`) split.
+        limit: keep only this many examples of each split (a seeded random choice), for quick runs.
+        seed: seed of the split, of `limit` and of the samplers (passed as `seed=` where the factory takes one).
+        num_workers: DataLoader worker processes.
+        sampler: builds the training batch sampler from the lengths, e.g. `BestFitPackingSampler` or in YAML
+            `{class_path: lit_packing.samplers.BestFitPackingSampler, init_args: {max_tokens: 8192}}`.
+        val_sampler: the same for validation; None calls `sampler(val_lengths, shuffle=False)`.
+        collator: builds the collate function from the pad id: `PackedCollator` or `PaddedCollator` (the class, or
+            in YAML `{class_path: lit_packing.data.PackedCollator, init_args: {pad_to_multiple_of: 64}}`; typed
+            by the classes so that jsonargparse builds a factory, not an instance).
+        cache_dir: where `datasets` keeps the examples and their tokenization (None: its default cache).
+        num_proc: processes for tokenization (`datasets.map`); None uses one, which is fastest on 2 cores.
+    """
+
+    def __init__(
+        self,
+        source: Source | None = None,
+        tokenizer: str = "smollm2",
+        max_length: int = 2048,
+        overlong: Literal["truncate", "drop", "error"] = "truncate",
+        train_on: Literal["completion", "all"] = "completion",
+        val_split: int | float = 0.05,
+        limit: int | None = None,
+        seed: int = 42,
+        num_workers: int = 0,
+        sampler: Callable[[np.ndarray], Sampler] = BestFitPackingSampler,
+        val_sampler: Callable[[np.ndarray], Sampler] | None = None,
+        collator: Callable[[int], PackedCollator | PaddedCollator] = PackedCollator,
+        cache_dir: str | None = None,
+        num_proc: int | None = None,
+    ) -> None:
+        super().__init__()
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit={limit}: data.limit must be >= 1, or null for every example")
+        self.source = source if source is not None else ChampChats()
+        self.tokenizer_name = tokenizer
+        self.max_length = max_length
+        self.overlong = overlong
+        self.train_on = train_on
+        self.val_split = val_split
+        self.limit = limit
+        self.seed = seed
+        self.num_workers = num_workers
+        self.sampler = sampler
+        self.val_sampler = val_sampler
+        self.collator = collator
+        self.cache_dir = cache_dir
+        self.num_proc = num_proc
+        self._tokenizer = None
+        self.train_dataset: TokenizedDataset | None = None
+        self.val_dataset: TokenizedDataset | None = None
+        self.report: TokenizationReport | None = None
+        self.train_sampler: Sampler | None = None
+        self._sampler_state: dict | None = None
+
+    # ------------------------------------------------------------ run-time values (linked to the model by the CLI)
+
+    @property
+    def tokenizer(self):
+        """The Hugging Face tokenizer, loaded on first use."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained(self.tokenizer_name, with_model=False))
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """`len(tokenizer)`: the embedding rows the model needs (added tokens included)."""
+        return len(self.tokenizer)
+
+    @property
+    def pad_token_id(self) -> int:
+        """The tokenizer's pad id, else its eos id, else 0 (pad positions are never trained or attended)."""
+        for candidate in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id):
+            if candidate is not None:
+                return candidate
+        return 0
+
+    @property
+    def train_lengths(self) -> np.ndarray:
+        """(n_train,) int64 tokens per training example (after `setup`)."""
+        return self._require(self.train_dataset).lengths
+
+    @property
+    def val_lengths(self) -> np.ndarray:
+        """(n_val,) int64 tokens per validation example (empty without a validation set)."""
+        return self.val_dataset.lengths if self.val_dataset is not None else np.zeros(0, dtype=np.int64)
+
+    # ------------------------------------------------------------ Lightning hooks
+
+    def prepare_data(self) -> None:
+        """Load the source and tokenize it into the disk cache (Lightning runs this on one process per node)."""
+        self._tokenize()
+
+    def setup(self, stage: str | None = None) -> None:
+        """Tokenize (from the cache), split, and build `train_dataset`, `val_dataset` and `report` once."""
+        if self.train_dataset is not None:
+            return
+        tokenized = self._tokenize()
+        train, train_report = tokenized["train"]
+        if "validation" in tokenized:
+            val, val_report = tokenized["validation"]
+            self.report = train_report + val_report
+        else:
+            train, val = self._split(train, train_report.examples_in)
+            self.report = train_report
+        self.train_dataset = TokenizedDataset(train)
+        self.val_dataset = TokenizedDataset(val) if len(val) else None
+        rank_zero_info(
+            f"{self.source!r} with {self.tokenizer_name}: {self.report}; "
+            f"{len(self.train_dataset):,} train / {len(val):,} validation examples"
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        self.train_sampler = self._build_sampler(self.sampler, self.train_lengths)
+        if self._sampler_state is not None:
+            self.train_sampler.load_state_dict(self._sampler_state)
+            self._sampler_state = None
+        return self._loader(self._require(self.train_dataset), self.train_sampler)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_dataset is None:
+            return []
+        if self.val_sampler is not None:
+            sampler = self._build_sampler(self.val_sampler, self.val_lengths)
+        else:
+            sampler = self._build_sampler(self.sampler, self.val_lengths, shuffle=False)
+        return self._loader(self.val_dataset, sampler)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training sampler's position (epoch, seed, batches yielded), for mid-epoch resume."""
+        if self.train_sampler is not None and hasattr(self.train_sampler, "state_dict"):
+            return {"train_sampler": self.train_sampler.state_dict()}
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore `state_dict()`: applied to the training sampler now, or when `train_dataloader` builds it."""
+        sampler_state = state_dict.get("train_sampler")
+        if sampler_state is not None and self.train_sampler is not None:
+            self.train_sampler.load_state_dict(sampler_state)
+        else:
+            self._sampler_state = sampler_state
+
+    # ------------------------------------------------------------ steps
+
+    def _tokenize(self) -> dict[str, tuple[datasets.Dataset, TokenizationReport]]:
+        """`{"train": (tokenized, report)}`, plus `"validation"` when the source has its own split."""
+        parts = self._raw_splits(self.source.load(cache_dir=self.cache_dir))
+        return {
+            name: tokenize_dataset(
+                self._limited(raw), self.tokenizer, self.max_length, self.overlong, self.train_on, self.num_proc
+            )
+            for name, raw in parts.items()
+        }
+
+    def _raw_splits(self, loaded: datasets.Dataset | datasets.DatasetDict) -> dict[str, datasets.Dataset]:
+        if not isinstance(loaded, datasets.DatasetDict):
+            return {"train": loaded}
+        if "train" not in loaded:
+            raise ValueError(
+                f"{self.source!r} has splits {sorted(loaded)} but no 'train': choose one with the source's split "
+                f"option (data.source.init_args.split)"
+            )
+        parts = {"train": loaded["train"]}
+        for name in VALIDATION_SPLITS:
+            if name in loaded:
+                parts["validation"] = loaded[name]
+                break
+        return parts
+
+    def _limited(self, dataset: datasets.Dataset) -> datasets.Dataset:
+        if self.limit is None or self.limit >= len(dataset):
+            return dataset
+        rows = np.sort(np.random.default_rng(self.seed).permutation(len(dataset))[: self.limit])
+        return dataset.select(rows)
+
+    def _split(self, tokenized: datasets.Dataset, n_examples: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+        """Split by each example's row in the source (`index`), so drops never move an example across splits."""
+        _, val_rows = split_rows(n_examples, self.val_split, self.seed)
+        is_val = np.isin(column(tokenized, INDEX), val_rows)
+        return tokenized.select(np.flatnonzero(~is_val)), tokenized.select(np.flatnonzero(is_val))
+
+    def _build_sampler(self, factory: Callable, lengths: np.ndarray, **kwargs: Any) -> Sampler:
+        if _accepts(factory, "seed"):
+            kwargs["seed"] = self.seed
+        return factory(lengths, **kwargs)
+
+    def _loader(self, dataset: TokenizedDataset, sampler: Sampler) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_sampler=_EpochForwardingBatchSampler(sampler),
+            collate_fn=self.collator(self.pad_token_id),
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+        )
+
+    @staticmethod
+    def _require(dataset: TokenizedDataset | None) -> TokenizedDataset:
+        if dataset is None:
+            raise RuntimeError("call setup() first (Lightning does it before building dataloaders)")
+        return dataset

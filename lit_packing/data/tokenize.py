@@ -1,0 +1,383 @@
+"""Tokenization: examples (chat, prompt/completion or text) -> `input_ids` + `labels`, cached on disk by `datasets`.
+
+    tokenized, report = tokenize_dataset(ChampChats().load(), tokenizer, max_length=2048)  # re-runs load the cache
+
+Labels are -100 where nothing is trained. With `train_on="completion"` (default) a chat trains only on assistant
+turns, each with its end-of-turn token; prompt/completion trains on the completion and eos; text trains on all.
+The first label of every example is -100: no token before it predicts it (in a pack, the token before belongs to
+another example). Worked example, SmolLM2's ChatML template, `[user "Hi", assistant "Hello!"]`:
+
+    <|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello!<|im_end|>\\n
+    labels: -100 ...................................................................... Hello ! <|im_end|> -100
+
+Assistant spans come from the chat template itself: the render of `messages[:i]` with a generation prompt ends
+where assistant message i starts, the render of `messages[:i + 1]` where it ends. This works for any template that
+renders earlier turns the same whatever follows (prefix-consistent); others raise a ValueError naming the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+import datasets
+import numpy as np
+import torch
+from datasets import Features, List, Value
+
+from lit_packing.data.collate import IGNORE_INDEX, INPUT_IDS, LABELS
+from lit_packing.data.sources import CHAT, PROMPT_COMPLETION, example_shape
+
+# Bump when the tokens or labels this module produces change: every cached tokenization is then rebuilt.
+TOKENIZE_VERSION = "1"
+
+Overlong = Literal["truncate", "drop", "error"]
+TrainOn = Literal["completion", "all"]
+
+LENGTH = "length"
+TRUNCATED_TOKENS = "truncated_tokens"
+INDEX = "index"  # row of the example in the dataset that was tokenized (the source order)
+_LABEL_TOKENS = "label_tokens"
+_DROPPED = "dropped"  # "", "overlong" or "no_labels"
+OUTPUT_COLUMNS = [INPUT_IDS, LABELS, LENGTH, TRUNCATED_TOKENS, INDEX]
+
+_FEATURES = Features(
+    {
+        INPUT_IDS: List(Value("int32")),
+        LABELS: List(Value("int32")),
+        LENGTH: Value("int32"),
+        TRUNCATED_TOKENS: Value("int32"),
+        INDEX: Value("int64"),
+        _LABEL_TOKENS: Value("int32"),
+        _DROPPED: Value("string"),
+    }
+)
+
+# For tokenizers without a chat template (GPT-2): ChatML, the format SmolLM2 and Qwen use. Its markers are plain
+# text to such a tokenizer (no special tokens are added, so the vocabulary and the model's embeddings stay as they
+# are), hence a whole assistant span, `content<|im_end|>\n`, is trained.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass
+class TokenizationReport:
+    """What tokenization kept, cut and dropped; nothing is dropped without being counted here.
+
+    `tokens_in == real_tokens + truncated_tokens + dropped_overlong_tokens + dropped_no_label_tokens` and
+    `examples_in == examples_out + dropped_overlong_examples + dropped_no_label_examples`.
+    """
+
+    examples_in: int = 0
+    examples_out: int = 0
+    tokens_in: int = 0
+    real_tokens: int = 0
+    label_tokens: int = 0
+    truncated_examples: int = 0
+    truncated_tokens: int = 0
+    dropped_overlong_examples: int = 0
+    dropped_overlong_tokens: int = 0
+    dropped_no_label_examples: int = 0
+    dropped_no_label_tokens: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """Plain ints for loggers (`logger.log_hyperparams({"data": report.as_dict()})`)."""
+        return asdict(self)
+
+    def __add__(self, other: TokenizationReport) -> TokenizationReport:
+        return TokenizationReport(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def __str__(self) -> str:
+        return (
+            f"tokenized {self.examples_in:,} examples -> kept {self.examples_out:,} "
+            f"({self.real_tokens:,} tokens, {self.label_tokens:,} trained); "
+            f"truncated {self.truncated_examples:,} ({self.truncated_tokens:,} tokens cut); "
+            f"dropped {self.dropped_overlong_examples:,} overlong ({self.dropped_overlong_tokens:,} tokens) "
+            f"and {self.dropped_no_label_examples:,} with no trained token ({self.dropped_no_label_tokens:,} tokens)"
+        )
+
+
+def chat_template(tokenizer) -> str:
+    """The tokenizer's chat template, or `DEFAULT_CHAT_TEMPLATE` (ChatML) when it has none."""
+    return tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
+
+
+def bos_prefix(tokenizer) -> list[int]:
+    """The ids the tokenizer itself puts before a text (`[bos]` for Llama-2-style tokenizers, `[]` for SmolLM2)."""
+    with_special = tokenizer("a")["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    for start in range(len(with_special) - len(plain) + 1):
+        if with_special[start : start + len(plain)] == plain:
+            return with_special[:start]
+    return []
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of everything about a tokenizer that changes its output: vocab, merges, normalizer, special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    parts = (type(tokenizer).__name__, tokenizer.name_or_path, len(tokenizer), tokenizer.special_tokens_map, vocab)
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+
+def tokenization_fingerprint(
+    dataset_fingerprint: str, tokenizer, template: str, max_length: int, overlong: str, train_on: str
+) -> str:
+    """The cache key of one tokenization: changes with the data, tokenizer, template, settings or this code."""
+    parts = (
+        TOKENIZE_VERSION,
+        dataset_fingerprint,
+        tokenizer_fingerprint(tokenizer),
+        template,
+        max_length,
+        overlong,
+        train_on,
+        bos_prefix(tokenizer),
+        tokenizer.eos_token_id,
+    )
+    return "tokenized-" + hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
+
+
+# ---------------------------------------------------------------- one batch of examples -> ids and labels
+
+
+class _Encoder:
+    """Turns one batch of examples of one shape into (ids, labels) lists; holds what every batch reuses."""
+
+    def __init__(self, tokenizer, shape: str, template: str, train_on: str) -> None:
+        self.tokenizer = tokenizer
+        self.shape = shape
+        self.template = template
+        self.train_on = train_on
+        self.bos = bos_prefix(tokenizer)
+        self.eos = tokenizer.eos_token_id
+        special = set(tokenizer.all_special_ids)
+        special |= {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+        self.special_ids = np.array(sorted(special), dtype=np.int64)
+        if shape != CHAT and self.eos is None:
+            raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no eos_token to end {shape} examples with")
+
+    def __call__(self, batch: dict[str, list], indices: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        if self.shape == CHAT:
+            return self._chats(batch["messages"], indices)
+        if self.shape == PROMPT_COMPLETION:
+            return self._prompt_completions(batch["prompt"], batch["completion"])
+        return self._texts(batch["text"])
+
+    def _encode(self, texts: list[str], **kwargs) -> Any:
+        return self.tokenizer(texts, add_special_tokens=False, **kwargs)
+
+    def _texts(self, texts: list[str]) -> tuple[list, list]:
+        ids = [self.bos + x + [self.eos] for x in self._encode(texts)["input_ids"]]
+        return ids, [list(x) for x in ids]
+
+    def _prompt_completions(self, prompts: list[str], completions: list[str]) -> tuple[list, list]:
+        ids, labels = [], []
+        for p, c in zip(self._encode(prompts)["input_ids"], self._encode(completions)["input_ids"]):
+            prompt, completion = self.bos + p, c + [self.eos]
+            ids.append(prompt + completion)
+            masked = [IGNORE_INDEX] * len(prompt) if self.train_on == "completion" else prompt
+            labels.append(masked + completion)
+        return ids, labels
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def _chats(self, conversations: list[list[dict]], indices: list[int]) -> tuple[list, list]:
+        if self.train_on == "all":
+            ids = self._encode([self._render(m) for m in conversations])["input_ids"]
+            return ids, [list(x) for x in ids]
+        rendered = [self._assistant_spans(m, i) for m, i in zip(conversations, indices)]
+        encoded = self._encode([text for text, _ in rendered], return_offsets_mapping=True)
+        labels = [
+            self._label_spans(np.asarray(x), np.asarray(offsets, dtype=np.int64).reshape(-1, 2), spans)
+            for x, offsets, (_, spans) in zip(encoded["input_ids"], encoded["offset_mapping"], rendered)
+        ]
+        return encoded["input_ids"], labels
+
+    def _assistant_spans(self, messages: list[dict], index: int) -> tuple[str, list[tuple[int, int, int]]]:
+        """The full render and, per assistant turn, (start, content_end, end) character positions in it."""
+        full = self._render(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before, upto = self._render(messages[:i], add_generation_prompt=True), self._render(messages[: i + 1])
+            if not (upto.startswith(before) and full.startswith(upto)):
+                raise ValueError(
+                    f"example {index}: the chat template is not prefix-consistent (rendering the first {i + 1} "
+                    f"messages is not the start of rendering them all; the template rewrites earlier turns), so "
+                    f"assistant turns cannot be located: set data.train_on=all, or use a tokenizer whose "
+                    f"chat_template renders each turn the same whatever follows"
+                )
+            start, end = len(before), len(upto)
+            content = (message["content"] or "").strip()
+            found = full.find(content, start, end) if content else -1
+            spans.append((start, found + len(content) if found >= 0 else start, end))
+        return full, spans
+
+    def _label_spans(self, ids: np.ndarray, offsets: np.ndarray, spans: list[tuple[int, int, int]]) -> list[int]:
+        """Label the tokens of each span up to and including the first special token after the content (its
+        end-of-turn token, e.g. `<|im_end|>`); spans without one are labelled whole."""
+        labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
+        starts, ends = offsets[:, 0], np.maximum(offsets[:, 1], offsets[:, 0] + 1)  # zero-width special tokens
+        for start, content_end, end in spans:
+            inside = np.flatnonzero((starts < end) & (ends > start))
+            enders = inside[np.isin(ids[inside], self.special_ids) & (starts[inside] >= content_end)]
+            if enders.size:
+                inside = inside[inside <= enders[0]]
+            labels[inside] = ids[inside]
+        return labels.tolist()
+
+
+# ---------------------------------------------------------------- lengths and policies
+
+
+def _fit(ids: list[int], labels: list[int], index: int, max_length: int, overlong: str) -> dict[str, Any]:
+    """Apply `max_length` / `overlong` and the no-label rule to one example: the row the map writes."""
+    n, cut = len(ids), max(0, len(ids) - max_length)
+    if cut and overlong == "error":
+        raise ValueError(
+            f"example {index} has {n:,} tokens > max_length={max_length:,}: "
+            f"raise data.max_length or set data.overlong=truncate (or drop)"
+        )
+    row = {INDEX: index, TRUNCATED_TOKENS: 0, _LABEL_TOKENS: 0, _DROPPED: "", INPUT_IDS: [], LABELS: []}
+    if cut and overlong == "drop":
+        return {**row, LENGTH: n, _DROPPED: "overlong"}
+    ids, labels = ids[:max_length], labels[:max_length]
+    if labels:
+        labels[0] = IGNORE_INDEX
+    trained = sum(label != IGNORE_INDEX for label in labels)
+    if not trained:
+        return {**row, LENGTH: len(ids), TRUNCATED_TOKENS: cut, _DROPPED: "no_labels"}
+    return {**row, INPUT_IDS: ids, LABELS: labels, LENGTH: len(ids), TRUNCATED_TOKENS: cut, _LABEL_TOKENS: trained}
+
+
+def _tokenize_batch(
+    batch: dict[str, list], indices: list[int], encoder: _Encoder, max_length: int, overlong: str
+) -> dict[str, list]:
+    ids, labels = encoder(batch, indices)
+    rows = [_fit(list(x), list(y), i, max_length, overlong) for x, y, i in zip(ids, labels, indices)]
+    return {column: [row[column] for row in rows] for column in _FEATURES}
+
+
+def column(dataset: datasets.Dataset, name: str) -> np.ndarray:
+    """One column as a numpy array, reading only that column (e.g. `length`, never the tokens)."""
+    return np.asarray(dataset.select_columns([name]).with_format("numpy")[:][name])
+
+
+def _report(mapped: datasets.Dataset) -> TokenizationReport:
+    length, cut = column(mapped, LENGTH).astype(np.int64), column(mapped, TRUNCATED_TOKENS).astype(np.int64)
+    trained, dropped = column(mapped, _LABEL_TOKENS).astype(np.int64), column(mapped, _DROPPED)
+    kept, overlong, unlabelled = dropped == "", dropped == "overlong", dropped == "no_labels"
+    return TokenizationReport(
+        examples_in=len(mapped),
+        examples_out=int(kept.sum()),
+        tokens_in=int((length + cut).sum()),
+        real_tokens=int(length[kept].sum()),
+        label_tokens=int(trained[kept].sum()),
+        truncated_examples=int((kept & (cut > 0)).sum()),
+        truncated_tokens=int(cut[kept].sum()),
+        dropped_overlong_examples=int(overlong.sum()),
+        dropped_overlong_tokens=int(length[overlong].sum()),
+        dropped_no_label_examples=int(unlabelled.sum()),
+        dropped_no_label_tokens=int((length + cut)[unlabelled].sum()),
+    )
+
+
+def tokenize_dataset(
+    dataset: datasets.Dataset,
+    tokenizer,
+    max_length: int = 2048,
+    overlong: Overlong = "truncate",
+    train_on: TrainOn = "completion",
+    num_proc: int | None = None,
+) -> tuple[datasets.Dataset, TokenizationReport]:
+    """Tokenize every example with `datasets.map` (batched, cached next to the dataset's Arrow files).
+
+    Args:
+        dataset: examples of one shape (see `lit_packing.data.sources.example_shape`).
+        tokenizer: a fast Hugging Face tokenizer (offsets locate assistant turns).
+        max_length: most tokens per example.
+        overlong: `truncate` keeps the first `max_length` tokens; `drop` removes the example; `error` raises.
+        train_on: `completion` trains assistant turns / completions only; `all` trains every token.
+        num_proc: processes for `map` (None: one; the tokenizer already batches in Rust).
+
+    Returns:
+        The kept examples (columns `input_ids`, `labels`, `length`, `truncated_tokens`, `index` = row in `dataset`)
+        and the report of what was cut and dropped.
+    """
+    if overlong not in ("truncate", "drop", "error"):
+        raise ValueError(f"overlong={overlong!r}: use data.overlong=truncate, drop or error")
+    if train_on not in ("completion", "all"):
+        raise ValueError(f"train_on={train_on!r}: use data.train_on=completion or all")
+    if max_length < 2:
+        raise ValueError(f"max_length={max_length}: data.max_length must be >= 2 to hold a trained token")
+    shape = example_shape(dataset.column_names)
+    template = chat_template(tokenizer) if shape == CHAT else ""
+    encoder = _Encoder(tokenizer, shape, template, train_on)
+    mapped = dataset.map(
+        _tokenize_batch,
+        batched=True,
+        with_indices=True,
+        remove_columns=dataset.column_names,
+        features=_FEATURES,
+        fn_kwargs={"encoder": encoder, "max_length": max_length, "overlong": overlong},
+        num_proc=num_proc,
+        new_fingerprint=tokenization_fingerprint(
+            dataset._fingerprint, tokenizer, template, max_length, overlong, train_on
+        ),
+        desc=f"Tokenizing {shape} (max_length={max_length:,}, overlong={overlong}, train_on={train_on})",
+    )
+    kept = np.flatnonzero(column(mapped, _DROPPED) == "")
+    return mapped.select(kept).select_columns(OUTPUT_COLUMNS), _report(mapped)
+
+
+# ---------------------------------------------------------------- what the DataLoader reads
+
+
+class TokenizedDataset(torch.utils.data.Dataset):
+    """Examples by row, or token slices of them, for the collator; `lengths` without reading any token.
+
+    `ds[3]` -> `{"input_ids": array, "labels": array, "truncated_tokens": int}`; `ds[(3, 100, 200)]` -> tokens
+    100..199 of example 3 (what `FixedLengthPackingSampler` asks for; `truncated_tokens` only on the slice at 0,
+    so an example's cut tokens are counted once). Arrays are read-only int32 views of the memory-mapped Arrow file
+    (about 40 us a row; `datasets`' numpy formatting takes about 200 us).
+
+    Args:
+        dataset: the output of `tokenize_dataset` (or a `select` of it).
+    """
+
+    def __init__(self, dataset: datasets.Dataset) -> None:
+        self.dataset = dataset.with_format("arrow", columns=[INPUT_IDS, LABELS, TRUNCATED_TOKENS])
+        self._lengths: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """(n,) int64 tokens per example, read from the `length` column only."""
+        if self._lengths is None:
+            self._lengths = column(self.dataset, LENGTH).astype(np.int64)
+        return self._lengths
+
+    def __getitem__(self, key: int | tuple[int, int, int]) -> dict[str, Any]:
+        index, start, stop = key if isinstance(key, tuple) else (key, 0, None)
+        row = self.dataset[int(index)]  # a one-row pyarrow.Table
+        item = {INPUT_IDS: _tokens(row, INPUT_IDS)[start:stop], LABELS: _tokens(row, LABELS)[start:stop]}
+        if start == 0:
+            item[TRUNCATED_TOKENS] = row.column(TRUNCATED_TOKENS)[0].as_py()
+        return item
+
+
+def _tokens(row, name: str) -> np.ndarray:
+    # flatten(), not .values: a row sliced from a chunk shares the chunk's whole child array.
+    return row.column(name).combine_chunks().flatten().to_numpy()
