@@ -86,8 +86,8 @@ class PackingMonitor(pl.Callback):
         if report is None:
             return {}
         return {
-            "train/dropped_tokens": float(report.dropped_tokens),
-            "train/dropped_examples": float(report.dropped_examples),
+            "train/dropped_tokens": float(report.dropped_overlong_tokens + report.dropped_no_label_tokens),
+            "train/dropped_examples": float(report.dropped_overlong_examples + report.dropped_no_label_examples),
         }
 
     @staticmethod

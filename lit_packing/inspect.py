@@ -1,0 +1,171 @@
+"""Packing report: how each sampler would batch your dataset, before you spend a GPU-hour on it. No model needed.
+
+    python -m lit_packing.inspect --config configs/quickstart.yaml [--batch_size 8] [--max_tokens 4096]
+
+For the configured data (source, tokenizer, max_length) it prints, per strategy, steps per epoch, real and slot
+tokens, padding ratio, fill, examples per step, attention cost (sum L^2 packed vs rows * max(L)^2 padded) and
+planning time, and writes `packing_report.png` (a histogram of example lengths and of pack fill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+from jsonargparse import ArgumentParser
+from rich.console import Console
+from rich.table import Table
+
+from lit_packing.data import PackingDataModule
+from lit_packing.samplers import (
+    BestFitPackingSampler,
+    FixedLengthPackingSampler,
+    LengthGroupedSampler,
+    PackPlan,
+    RandomBatchSampler,
+    SequentialPackingSampler,
+)
+
+
+@dataclass
+class PlanStats:
+    """One strategy's epoch, in numbers (every count is over the whole epoch)."""
+
+    name: str
+    steps: int
+    real_tokens: int
+    slot_tokens: int
+    attn_cost: int
+    padded_attn_cost: int
+    examples_mean: float
+    examples_max: int
+    plan_seconds: float
+    fill: np.ndarray  # (steps,) real / slot tokens of each step
+
+    @property
+    def padding_ratio(self) -> float:
+        return 1.0 - self.real_tokens / max(self.slot_tokens, 1)
+
+
+def plan_stats(name: str, plan: PackPlan, seconds: float, padded: bool) -> PlanStats:
+    """Statistics of a plan as the packed collator (or, with `padded`, the padded collator) would batch it."""
+    sizes = plan.examples_per_pack()
+    tokens = plan.tokens_per_pack()
+    starts = np.minimum(plan.offsets[:-1], max(len(plan.tokens) - 1, 0))
+    longest = np.maximum.reduceat(plan.tokens, starts) if len(plan.tokens) else np.zeros(0, np.int64)
+    longest = np.where(sizes > 0, longest, 0)
+    padded_slots = sizes * longest
+    padded_cost = sizes * longest**2
+    if padded:
+        slots, cost, budget = padded_slots, padded_cost, padded_slots
+    else:  # the packed collator adds no padding; fill is measured against the token budget
+        slots, cost = tokens, plan.sq_tokens_per_pack()
+        budget = plan.max_tokens or (tokens.max() if len(tokens) else 1)
+    return PlanStats(
+        name=name,
+        steps=len(plan),
+        real_tokens=int(tokens.sum()),
+        slot_tokens=int(slots.sum()),
+        attn_cost=int(cost.sum()),
+        padded_attn_cost=int(padded_cost.sum()),
+        examples_mean=float(sizes.mean()) if len(sizes) else 0.0,
+        examples_max=int(sizes.max()) if len(sizes) else 0,
+        plan_seconds=seconds,
+        fill=tokens / np.maximum(budget, 1),
+    )
+
+
+def strategies(batch_size: int, max_tokens: int) -> dict[str, tuple[Callable, bool]]:
+    """The paper's variants and ours: name -> (sampler factory, padded?)."""
+    return {
+        "padding (random batches)": (lambda n: RandomBatchSampler(n, batch_size=batch_size), True),
+        "length-grouped, padded": (lambda n: LengthGroupedSampler(n, batch_size=batch_size), True),
+        "mini-batch packing": (lambda n: RandomBatchSampler(n, batch_size=batch_size), False),
+        "fixed-length packing": (lambda n: FixedLengthPackingSampler(n, max_tokens=max_tokens), False),
+        "sequential packing": (lambda n: SequentialPackingSampler(n, max_tokens=max_tokens), False),
+        "best-fit packing": (lambda n: BestFitPackingSampler(n, max_tokens=max_tokens), False),
+    }
+
+
+def report(lengths: np.ndarray, batch_size: int, max_tokens: int) -> list[PlanStats]:
+    """Plan one epoch with every strategy and measure it."""
+    rows = []
+    for name, (factory, padded) in strategies(batch_size, max_tokens).items():
+        start = time.perf_counter()
+        plan = factory(lengths).plan(0)
+        rows.append(plan_stats(name, plan, time.perf_counter() - start, padded))
+    return rows
+
+
+def render(rows: list[PlanStats], title: str) -> Table:
+    table = Table(title=title)
+    for column in ("strategy", "steps", "real tok", "slot tok", "padding", "ex/step mean", "ex/step max",
+                   "attn cost", "vs padded", "plan s"):  # fmt: skip
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    for r in rows:
+        table.add_row(
+            r.name, f"{r.steps:,}", f"{r.real_tokens:,}", f"{r.slot_tokens:,}", f"{r.padding_ratio:.3f}",
+            f"{r.examples_mean:.1f}", f"{r.examples_max}", f"{r.attn_cost:.3g}",
+            f"{r.attn_cost / max(r.padded_attn_cost, 1):.2f}", f"{r.plan_seconds:.3f}",
+        )  # fmt: skip
+    return table
+
+
+def plot(lengths: np.ndarray, rows: list[PlanStats], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.hist(lengths, bins=60, color="tab:blue")
+    left.set(title=f"example lengths (n={len(lengths):,})", xlabel="tokens", ylabel="examples")
+    for r in rows:
+        if r.name in ("padding (random batches)", "best-fit packing", "fixed-length packing"):
+            right.hist(r.fill, bins=40, range=(0, 1), alpha=0.5, label=r.name)
+    right.set(title="fill per step (real / slot tokens)", xlabel="fill", ylabel="steps")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def load_lengths(config: Path) -> tuple[np.ndarray, int]:
+    """Build the configured data module (tokenization is cached); return training lengths and the token budget."""
+    raw = yaml.safe_load(config.read_text()) or {}
+    data = dict(raw.get("data") or {})
+    budget = ((data.get("sampler") or {}).get("init_args") or {}).get("max_tokens") or data.get("max_length", 2048)
+    data.setdefault("tokenizer", (raw.get("model") or {}).get("model", "smollm2"))
+    parser = ArgumentParser()
+    parser.add_class_arguments(PackingDataModule, "data")
+    parsed = parser.parse_object({"data": data})
+    module = parser.instantiate_classes(parsed)["data"]
+    module.prepare_data()
+    module.setup("fit")
+    return module.train_lengths, int(budget)
+
+
+def main(argv: list[str] | None = None) -> list[PlanStats]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, required=True, help="a YAML of configs/ (its `data:` section is used)")
+    parser.add_argument("--batch_size", type=int, default=8, help="examples per step for the mini-batch strategies")
+    parser.add_argument("--max_tokens", type=int, default=None, help="token budget (default: the config's)")
+    parser.add_argument("--out", type=Path, default=Path("packing_report.png"), help="where the PNG goes")
+    args = parser.parse_args(argv)
+    lengths, budget = load_lengths(args.config)
+    max_tokens = args.max_tokens or budget
+    rows = report(lengths, args.batch_size, max_tokens)
+    title = f"{args.config}: {len(lengths):,} examples, batch_size={args.batch_size}, max_tokens={max_tokens:,}"
+    Console().print(render(rows, title))
+    plot(lengths, rows, args.out)
+    print(f"wrote {args.out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
