@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 
 run: setup
 	@echo "==> python main.py fit --config configs/quickstart.yaml"
-	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) main.py fit --config configs/quickstart.yaml
+	$(PY) main.py fit --config configs/quickstart.yaml
 
 test: setup
 	@echo "==> pytest"
