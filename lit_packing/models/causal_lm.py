@@ -1,0 +1,289 @@
+"""`PackedCausalLM`: a LightningModule that fine-tunes a transformers causal LM on packed (or padded) batches.
+
+    lm = PackedCausalLM(model="smollm2", attn_backend="auto", lr=2e-5)
+    Trainer(precision="bf16-mixed", accumulate_grad_batches=4).fit(lm, datamodule=dm)
+
+What it adds to a plain `AutoModelForCausalLM`:
+- a varlen attention backend reading `cu_seq_lens_*` (see `attention.py`); padded batches run sdpa with their mask;
+- the loss computed here from the logits, as one global mean over every gradient-accumulation micro-batch and
+  every data-parallel rank (`loss_normalization`), so packing never changes the gradient;
+- a host-side check of every batch and an isolation self-test before the first step (see `isolation.py`);
+- validation metrics (`val/loss`, `val/perplexity`, `val/token_accuracy`) that packed and padded batches agree on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+import torchmetrics
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_info
+
+from lit_packing.data.collate import (
+    ATTENTION_MASK,
+    CU_SEQ_LENS_K,
+    CU_SEQ_LENS_Q,
+    INPUT_IDS,
+    LABELS,
+    MAX_LENGTH_K,
+    MAX_LENGTH_Q,
+    POSITION_IDS,
+)
+from lit_packing.models.attention import AttnBackend, attn_implementation, resolve_backend
+from lit_packing.models.isolation import check_isolation, check_packed_batch
+from lit_packing.models.loading import DType, apply_lora, load_causal_lm, no_decay_parameter_ids
+from lit_packing.models.loss import LossNormalization, causal_lm_loss, token_losses
+
+log = logging.getLogger(__name__)
+
+MODEL_INPUT_KEYS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K)
+# The backward pass starts from a loss *sum* (thousands of tokens): divided by a power of two (exact in floating
+# point) so that fp16 per-token gradients under a GradScaler stay far from overflow; undone in the step's scaling.
+SUM_DIVISOR = 1024.0
+Schedule = Literal["cosine", "linear", "constant"]
+
+
+class PackedCausalLM(LightningModule):
+    """Fine-tune a transformers causal LM on packed batches with an exact varlen attention backend.
+
+    Args:
+        model: `smollm2` (the packaged SmolLM2-135M-Instruct), a local folder or a Hub name.
+        model_config: random init from these config kwargs (with `model_type`) instead of loading `model`.
+        vocab_size: the tokenizer's size (linked from the data module); see `load_causal_lm`.
+        dtype: parameter dtype; leave unset (float32) with `precision=bf16-mixed`.
+        attn_backend: auto | flash_attn | torch_varlen | cpu_varlen | sdpa_mask (see `attention.py`).
+        loss_normalization: `token`: one mean over all label tokens of the optimizer step (all micro-batches,
+            all ranks); `sequence`: the mean over examples of each example's token mean (LongAlign).
+        isolation_check: run the packed-vs-per-example self-test on the first packed training batch.
+        lr: peak learning rate (AdamW).
+        weight_decay: AdamW weight decay, not applied to biases, norms and embeddings.
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        warmup_steps: linear warmup from 0, in optimizer steps.
+        scheduler: decay after warmup down to `min_lr_ratio * lr` at the last step, or constant.
+        min_lr_ratio: final learning rate as a fraction of `lr`.
+        gradient_checkpointing: recompute activations in the backward pass (less memory, ~30% more compute).
+        compile: `torch.compile` the transformers model.
+        lora: `peft.LoraConfig` kwargs (e.g. `{r: 16, lora_alpha: 32, target_modules: all-linear}`): train adapters.
+        resize_embeddings: let a tokenizer larger than a pretrained model's vocabulary grow the embeddings.
+        export_dir: at the end of `fit`, `save_pretrained` the model (adapters with LoRA) and tokenizer here.
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2",
+        model_config: dict | None = None,
+        vocab_size: int | None = None,
+        dtype: DType | None = None,
+        attn_backend: AttnBackend = "auto",
+        loss_normalization: LossNormalization = "token",
+        isolation_check: bool = True,
+        lr: float = 2e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        warmup_steps: int = 0,
+        scheduler: Schedule = "cosine",
+        min_lr_ratio: float = 0.0,
+        gradient_checkpointing: bool = False,
+        compile: bool = False,
+        lora: dict | None = None,
+        resize_embeddings: bool = False,
+        export_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if loss_normalization not in ("token", "sequence"):
+            raise ValueError(f"loss_normalization={loss_normalization!r}: use token or sequence")
+        # Until the trainer says which device we run on, guess; `setup` resolves again for the real device.
+        guess = "cuda" if torch.cuda.is_available() else "cpu"
+        portable = attn_backend if attn_backend in ("cpu_varlen", "sdpa_mask") else "auto"
+        self.attn_backend: str = resolve_backend(portable, guess)  # the backend in use (`auto` resolved)
+        self.model = load_causal_lm(
+            model, model_config, vocab_size, dtype, attn_implementation(self.attn_backend), resize_embeddings
+        )
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora:
+            self.model = apply_lora(self.model, lora)
+        self.eval_metrics = torch.nn.ModuleDict({stage: _eval_metrics() for stage in ("val", "test")})
+        self._step_totals: torch.Tensor | None = None  # [token loss sum, label tokens, normalizer] of this step
+        self._isolation_pending = isolation_check
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Setup
+
+    @property
+    def hf_model(self):
+        """The underlying transformers model (unwrapping peft)."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    def setup(self, stage: str) -> None:
+        device = self.trainer.strategy.root_device
+        self.attn_backend = resolve_backend(self.hparams.attn_backend, device)
+        self.hf_model.set_attn_implementation(attn_implementation(self.attn_backend))
+        how = " (auto)" if self.hparams.attn_backend == "auto" else ""
+        rank_zero_info(f"attention backend: {self.attn_backend}{how} on {device}")
+        if self.hparams.compile and not getattr(self, "_compiled", False):
+            self.model.compile(dynamic=True)
+            self._compiled = True
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if isinstance(batch, Mapping):
+            check_packed_batch(batch)
+        return batch
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._isolation_pending and CU_SEQ_LENS_Q in batch and batch[LABELS].shape[1] > 1:
+            with self._forward_context():
+                diff = check_isolation(self.model, batch, self.attn_backend)
+            log.info("isolation self-test passed: attn_backend=%s, max abs logit diff %.3g", self.attn_backend, diff)
+            self._isolation_pending = False
+
+    def _forward_context(self):
+        trainer = self._trainer
+        return trainer.precision_plugin.forward_context() if trainer is not None else contextlib.nullcontext()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Steps
+
+    def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """Logits (B, T, V) of a packed or padded batch. Never uses a KV cache: a cache disables isolation."""
+        inputs = {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
+        return self.model(**inputs, use_cache=False).logits
+
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
+        parts = causal_lm_loss(self(batch), batch, self.hparams.loss_normalization)
+        totals = torch.stack([parts.token_loss_sum.detach(), parts.label_tokens, parts.normalizer.detach()])
+        totals = totals.to(_accumulator_dtype(totals.device))
+        self._step_totals = totals if self._step_totals is None else self._step_totals + totals
+        # A sum: `on_before_optimizer_step` divides the gradients by the step's global normalizer.
+        return parts.objective / SUM_DIVISOR
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Turn the summed gradients into the global mean: runs after the last micro-batch's backward, before
+        gradient clipping and the optimizer step (Lightning's `Precision._after_closure`)."""
+        if self._step_totals is None:
+            return
+        totals = self.trainer.strategy.reduce(self._step_totals, reduce_op="sum")  # one all-reduce per step
+        self._step_totals = None
+        # DDP averages gradients over ranks and Lightning divides each micro-batch loss by accumulate_grad_batches.
+        world, accumulate = self.trainer.world_size, self.trainer.accumulate_grad_batches
+        factor = world * accumulate * SUM_DIVISOR / totals[2].clamp_min(1)
+        scale_gradients(self.parameters(), factor)
+        self.log("train/loss", totals[0] / totals[1].clamp_min(1), prog_bar=True, on_step=True, on_epoch=False)
+
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def _eval_step(self, batch: Mapping[str, Any], stage: str) -> None:
+        logits = self(batch)
+        losses, mask, targets = token_losses(logits, batch[LABELS])
+        metrics = self.eval_metrics[stage]
+        metrics["loss_sum"].update(losses.sum())
+        metrics["tokens"].update(mask.sum())
+        metrics["correct"].update(((logits[:, :-1].argmax(-1) == targets) & mask).sum())
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval("test")
+
+    def _log_eval(self, stage: str) -> None:
+        metrics = self.eval_metrics[stage]
+        tokens = metrics["tokens"].compute().clamp_min(1)  # torchmetrics sums over steps and ranks
+        loss = metrics["loss_sum"].compute() / tokens
+        accuracy = metrics["correct"].compute() / tokens
+        for metric in metrics.values():
+            metric.reset()
+        self.log(f"{stage}/loss", loss, prog_bar=True)
+        self.log(f"{stage}/perplexity", loss.exp())
+        self.log(f"{stage}/token_accuracy", accuracy)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Optimizer, export
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        params = [p for p in self.parameters() if p.requires_grad]
+        no_decay = no_decay_parameter_ids(self.model)
+        groups = [
+            {"params": [p for p in params if id(p) not in no_decay], "weight_decay": hp.weight_decay},
+            {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0},
+        ]
+        # Fused AdamW unscales inside step(), which Lightning cannot combine with fp16 gradient clipping.
+        fused = self.device.type == "cuda" and str(self.trainer.precision) != "16-mixed"
+        optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]], lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused or None
+        )
+        total, kind = self.trainer.estimated_stepping_batches, hp.scheduler
+        if not math.isfinite(total) and kind != "constant":
+            log.warning("the number of steps is unknown: scheduler=%s becomes constant; set trainer.max_steps", kind)
+            total, kind = 0, "constant"
+        schedule = lr_schedule(kind, hp.warmup_steps, max(1, int(total)), hp.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_fit_end(self) -> None:
+        if self.hparams.export_dir and self.trainer.is_global_zero:
+            self.export(self.hparams.export_dir)
+
+    def export(self, path: str) -> None:
+        """`save_pretrained` the model (LoRA: the adapters) and, when one is known, the tokenizer."""
+        self.model.save_pretrained(path)
+        tokenizer = getattr(self._trainer.datamodule, "tokenizer", None) if self._trainer is not None else None
+        if tokenizer is None and self.hparams.model_config is None:
+            with contextlib.suppress(Exception):  # a tokenizer is a nicety here: the weights are what matters
+                from transformers import AutoTokenizer
+
+                from lit_packing.assets import resolve_pretrained
+
+                tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained(self.hparams.model, with_model=False))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+        rank_zero_info(f"exported the model{' and tokenizer' if tokenizer is not None else ''} to {path}")
+
+
+def scale_gradients(parameters, factor: torch.Tensor) -> None:
+    """Multiply every gradient by a 0-dim (device) tensor in one fused call: no host sync."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor.to(grads[0].device))
+
+
+def lr_schedule(kind: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):
+    """LambdaLR multiplier: linear warmup over `warmup_steps`, then cosine / linear decay to `min_lr_ratio` at
+    `total_steps`, or constant."""
+    if kind not in ("cosine", "linear", "constant"):
+        raise ValueError(f"scheduler={kind!r}: use cosine, linear or constant")
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if kind == "cosine" else 1 - progress
+        return min_lr_ratio + (1 - min_lr_ratio) * decay
+
+    return multiplier
+
+
+def _eval_metrics() -> torch.nn.ModuleDict:
+    # Sums (not means) aggregate exactly over steps and ranks; nan_strategy="disable" avoids a device sync.
+    return torch.nn.ModuleDict(
+        {name: torchmetrics.SumMetric(nan_strategy="disable") for name in ("loss_sum", "tokens", "correct")}
+    )
+
+
+def _accumulator_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64
