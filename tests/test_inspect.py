@@ -11,7 +11,8 @@ def test_report_on_champ(tmp_path, capsys):
     config = tmp_path / "c.yaml"
     config.write_text(
         "data:\n  limit: 80\n  val_split: 8\n  max_length: 2048\n"
-        "  sampler:\n    class_path: lit_packing.samplers.BestFitPackingSampler\n    init_args:\n      max_tokens: 4096\n"
+        "  sampler:\n    class_path: lit_packing.samplers.BestFitPackingSampler\n"
+        "    init_args:\n      max_tokens: 4096\n"
     )
     rows = main(["--config", str(config), "--batch_size", "4", "--out", str(tmp_path / "r.png")])
     by_name = {r.name: r for r in rows}
