@@ -113,10 +113,12 @@ class TokenThroughputMonitor(pl.Callback):
         self.train_seconds += now - self._recent[-1][0]
         self.totals.update(counts)
         self._recent.append((now, counts))
-        for name, value in self.rates(trainer, pl_module).items():
-            pl_module.log(
-                f"train/{name}", value, on_step=True, batch_size=1, prog_bar=name == "effective_tokens_per_sec"
-            )
+        rates = self.rates(trainer, pl_module)
+        for name, value in rates.items():
+            pl_module.log(f"train/{name}", value, on_step=True, batch_size=1)
+        pl_module.log(
+            "tok/s", rates["effective_tokens_per_sec"], on_step=True, batch_size=1, prog_bar=True, logger=False
+        )
 
     def rates(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
         """Windowed rates over the steps in `_recent`, summed over ranks."""

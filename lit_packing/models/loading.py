@@ -61,7 +61,8 @@ def load_causal_lm(
         )
         _fit_vocabulary(lm, vocab_size, resize_embeddings, model)
     check_packing_support(lm)
-    return lm
+    # from_pretrained returns eval mode (dropout off); Lightning keeps submodule modes as it finds them.
+    return lm.train()
 
 
 def check_packing_support(lm: PreTrainedModel) -> None:

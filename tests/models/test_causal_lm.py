@@ -287,6 +287,13 @@ def test_export_full_model_reloads(tiny_llama_config, tmp_path):
     torch.testing.assert_close(reloaded(input_ids=ids).logits, lm.model(input_ids=ids).logits)
 
 
+def test_pretrained_model_starts_in_train_mode(tiny_llama_config, tmp_path):
+    # from_pretrained hands back eval mode; training must not silently run with dropout off.
+    make_lm(tiny_llama_config).model.save_pretrained(tmp_path)
+    lm = PackedCausalLM(model=str(tmp_path))
+    assert all(module.training for module in lm.model.modules())
+
+
 def test_model_without_attention_interface_is_refused_at_start():
     bloom = dict(model_type="bloom", vocab_size=1000, hidden_size=64, n_layer=2, n_head=4)
     with pytest.raises(ValueError, match="BloomForCausalLM.*AttentionInterface"):
