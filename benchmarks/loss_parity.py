@@ -1,6 +1,7 @@
 """Padded vs packed fine-tuning of the real SmolLM2 on CHAMP: the same examples in the same steps, side by side.
 
-    python benchmarks/loss_parity.py --steps 8 --batch_size 4 --max_length 512 [--out runs/loss_parity.png]
+    python benchmarks/loss_parity.py --steps 8 --batch_size 4 --max_length 512 [--out runs/loss_parity]
+    python benchmarks/loss_parity.py --max_length 2048 --batch_size 8 --model.model_config='{...}'  # CLI overrides
 
 Runs `configs/padding.yaml` and `configs/minibatch_packing.yaml` (identical but for the collator) through the real CLI
 in one process, then prints per-step train loss of both, their largest difference, validation loss, and effective
@@ -54,9 +55,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
     parser.add_argument("--val_batches", type=int, default=4)
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--out", type=Path, default=Path("runs/loss_parity"))
-    parser.add_argument("--extra", nargs="*", default=[], help="more CLI overrides for both runs")
-    args = parser.parse_args(argv)
-    results = {name: run_variant(config, args.out, args, args.extra) for name, config in VARIANTS.items()}
+    args, extra = parser.parse_known_args(argv)  # anything else (e.g. --model.model_config=...) goes to both runs
+    results = {name: run_variant(config, args.out, args, extra) for name, config in VARIANTS.items()}
 
     padded, packed = (results[name] for name in VARIANTS)
     print(f"\n{'step':>4} {'padding loss':>13} {'packed loss':>13} {'abs diff':>10}")
