@@ -1,4 +1,8 @@
-"""End to end on the real SmolLM2: padded and mini-batch-packed fits of the same CHAMP steps give the same losses."""
+"""End to end on the real SmolLM2: padded and mini-batch-packed fits of the same steps give the same losses.
+
+Short chatterbot dialogues (13-556 tokens) keep real padding in every padded step at CPU-test cost; the CHAMP run of
+the same benchmark is in docs/loss_parity.txt.
+"""
 
 import importlib.util
 from pathlib import Path
@@ -15,8 +19,8 @@ def test_packed_fit_matches_padded_fit_step_by_step(tmp_path, monkeypatch):
     parity = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(parity)
     results = parity.main(
-        ["--steps", "3", "--batch_size", "2", "--max_length", "384", "--limit", "24", "--val_examples", "4",
-         "--val_batches", "2", "--out", str(tmp_path)]
+        ["--steps", "3", "--batch_size", "4", "--max_length", "384", "--limit", "48", "--val_examples", "8",
+         "--val_batches", "2", "--out", str(tmp_path), "--data.source=lit_packing.data.Chatterbot"]
     )  # fmt: skip
     padded, packed = results["padding"], results["mini-batch packing"]
     assert len(padded["train/loss"]) == len(packed["train/loss"]) == 3
