@@ -8,6 +8,8 @@ and sources are swapped by class_path, the attention backend by name (`--model.a
 
 from __future__ import annotations
 
+import warnings
+
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
 
@@ -47,6 +49,9 @@ class PackingCLI(LightningCLI):
 
 def cli_main(args: ArgsType = None, run: bool = True) -> PackingCLI:
     """Build (and by default run) the CLI; `args` as a list runs in-process, e.g. from tests."""
+    # The model's host-side batch guard lives in `on_before_batch_transfer` on purpose (it must see every batch,
+    # whatever data module feeds it); Lightning warns whenever a module defines that hook next to a data module.
+    warnings.filterwarnings("ignore", message=r".*overridden `on_before_batch_transfer` in `LightningModule`")
     return PackingCLI(
         PackedCausalLM,
         PackingDataModule,
