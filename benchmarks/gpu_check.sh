@@ -10,10 +10,11 @@
 #    with the mask) vs packing with each backend; prints real tokens/s, speed-up, peak memory, loss.
 #
 # Python: $PYTHON, else .venv/bin/python, else python3. lit_packing runs from the checkout (PYTHONPATH), nothing is
-# installed. The device machine's image has torch, transformers, lightning, torchmetrics and peft but not the
-# `datasets` package that `lit_packing.data` imports; carry it as wheels (see the device README), e.g. here:
+# installed. The device machine's image has torch, transformers, lightning, torchmetrics and peft; the parts used here
+# (lit_packing.models, lit_packing.data.collate) do not import `datasets`. Should a package be missing, carry it as
+# wheels (see the device README), e.g.:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl datasets dill multiprocess
+#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl NAME==VERSION
 # and `carry: [".whl"]`: this script installs .whl/*.whl into /tmp/site when the folder exists.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -1,39 +1,31 @@
-"""Data: sources -> tokenize -> collate -> PackingDataModule (see each module's docstring)."""
+"""Data: sources -> tokenize -> collate -> PackingDataModule (see each module's docstring).
 
-from lit_packing.data.collate import PackedCollator, PaddedCollator
-from lit_packing.data.datamodule import PackingDataModule, split_rows
-from lit_packing.data.sources import (
-    ChampChats,
-    ChampProblems,
-    Chatterbot,
-    HFDataset,
-    HumanEval,
-    Source,
-    StateOfTheUnion,
-    example_shape,
-)
-from lit_packing.data.tokenize import (
-    DEFAULT_CHAT_TEMPLATE,
-    TokenizationReport,
-    TokenizedDataset,
-    tokenize_dataset,
-)
+Names are imported on first use (PEP 562), so `lit_packing.data.collate` and the model, which only need the batch
+format, import without the `datasets` package (e.g. on a bare GPU machine running benchmarks/gpu_check.sh).
+"""
 
-__all__ = [
-    "DEFAULT_CHAT_TEMPLATE",
-    "ChampChats",
-    "ChampProblems",
-    "Chatterbot",
-    "HFDataset",
-    "HumanEval",
-    "PackedCollator",
-    "PackingDataModule",
-    "PaddedCollator",
-    "Source",
-    "StateOfTheUnion",
-    "TokenizationReport",
-    "TokenizedDataset",
-    "example_shape",
-    "split_rows",
-    "tokenize_dataset",
-]
+from importlib import import_module
+
+_HOMES = {
+    "collate": ("PackedCollator", "PaddedCollator"),
+    "datamodule": ("PackingDataModule", "split_rows"),
+    "sources": (
+        "ChampChats", "ChampProblems", "Chatterbot", "HFDataset", "HumanEval", "Source", "StateOfTheUnion",
+        "example_shape",
+    ),
+    "tokenize": ("DEFAULT_CHAT_TEMPLATE", "TokenizationReport", "TokenizedDataset", "tokenize_dataset"),
+}  # fmt: skip
+_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

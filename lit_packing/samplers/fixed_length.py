@@ -43,13 +43,16 @@ def fixed_length_rows(sizes: np.ndarray, max_tokens: int, drop_last: bool = Fals
 class FixedLengthPackingSampler(PlannedBatchSampler):
     """Rows of exactly ``max_tokens`` tokens cut from the (shuffled) stream of examples; yields token slices.
 
-    Each step yields a list of ``(index, start, stop)`` tuples whose slices add up to ``max_tokens`` tokens (the
-    last row of the epoch may be shorter unless ``drop_last``). Every token of every example is yielded exactly once
-    per epoch. See ``fixed_length_rows`` for a worked example.
+    Each step yields a list of ``(index, start, stop)`` tuples: ``rows_per_step`` consecutive rows whose slices add
+    up to ``rows_per_step * max_tokens`` tokens (the last step of the epoch may be shorter unless ``drop_last``).
+    Every token of every example is yielded exactly once per epoch. See ``fixed_length_rows`` for a worked example.
+    The paper's setting, 4 rows of 4,096 per step, is ``max_tokens=4096, rows_per_step=4``; with
+    ``PackedCollator(isolate=False, row_length=4096)`` attention then spans each row (its contaminated variant).
 
     Args:
         lengths: (n,) tokens per example; examples longer than ``max_tokens`` are simply split over several rows.
         max_tokens: tokens per row.
+        rows_per_step: rows flattened into one step.
         seed, shuffle, drop_last, rank, world_size: see ``PlannedBatchSampler``.
     """
 
@@ -57,6 +60,7 @@ class FixedLengthPackingSampler(PlannedBatchSampler):
         self,
         lengths: np.ndarray,
         max_tokens: int = 2048,
+        rows_per_step: int = 1,
         *,
         seed: int = 0,
         shuffle: bool = True,
@@ -66,7 +70,10 @@ class FixedLengthPackingSampler(PlannedBatchSampler):
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if rows_per_step < 1:
+            raise ValueError(f"rows_per_step must be >= 1, got {rows_per_step}")
         self.max_tokens = max_tokens
+        self.rows_per_step = rows_per_step
         super().__init__(lengths, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size)
 
     def _build_plan(self, epoch: int, rng: np.random.Generator) -> PackPlan:
@@ -74,4 +81,9 @@ class FixedLengthPackingSampler(PlannedBatchSampler):
         order = rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
         pieces, offsets = fixed_length_rows(self.lengths[order], self.max_tokens, self.drop_last)
         pieces[:, 0] = order[pieces[:, 0]]
-        return PackPlan(pieces, offsets, pieces[:, 2] - pieces[:, 1], self.max_tokens)
+        n_rows = len(offsets) - 1
+        full_steps, rest = divmod(n_rows, self.rows_per_step)
+        steps = full_steps + (1 if rest and not self.drop_last else 0)
+        offsets = offsets[np.minimum(np.arange(steps + 1) * self.rows_per_step, n_rows)]
+        pieces = pieces[: offsets[-1]]
+        return PackPlan(pieces, offsets, pieces[:, 2] - pieces[:, 1], self.max_tokens * self.rows_per_step)

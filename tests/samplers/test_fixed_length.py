@@ -57,3 +57,16 @@ def test_shuffled_rows_map_back_to_dataset_indices():
             covered[starts[index] + start : starts[index] + stop] += 1
     assert (covered == 1).all()
     assert len(sampler) == -(-lengths.sum() // 64)
+
+
+def test_rows_per_step_groups_consecutive_rows():
+    # sizes [5, 3, 6], rows of 4 tokens: [(0,0,4)] [(0,4,5),(1,0,3)] [(2,0,4)] [(2,4,6)]; two rows per step.
+    sampler = FixedLengthPackingSampler(np.array([5, 3, 6]), max_tokens=4, rows_per_step=2, shuffle=False)
+    assert list(sampler) == [[(0, 0, 4), (0, 4, 5), (1, 0, 3)], [(2, 0, 4), (2, 4, 6)]]
+    assert sampler.plan(0).max_tokens == 8
+    three = FixedLengthPackingSampler(np.array([5, 3, 4]), max_tokens=4, rows_per_step=2, shuffle=False)
+    assert len(three) == 2 and list(three)[-1] == [(2, 0, 4)]  # a last step of one row
+    dropped = FixedLengthPackingSampler(
+        np.array([5, 3, 4]), max_tokens=4, rows_per_step=2, shuffle=False, drop_last=True
+    )
+    assert list(dropped) == [[(0, 0, 4), (0, 4, 5), (1, 0, 3)]]

@@ -24,6 +24,7 @@ SAMPLERS = {
     "best_fit": (BestFitPackingSampler, {"max_tokens": MAX_TOKENS}),
     "sequential": (SequentialPackingSampler, {"max_tokens": MAX_TOKENS, "shuffle": True}),
     "fixed": (FixedLengthPackingSampler, {"max_tokens": MAX_TOKENS}),
+    "fixed_rows": (FixedLengthPackingSampler, {"max_tokens": MAX_TOKENS // 2, "rows_per_step": 2}),
 }
 
 
@@ -78,7 +79,7 @@ def token_counts(batch, lengths) -> int:
 def check_coverage(name, lengths, batches_per_rank, drop_last):
     """Every example (every token, for fixed-length rows) at most once; exactly once unless drop_last."""
     flat = [item for batches in batches_per_rank for batch in batches for item in batch]
-    if name == "fixed":
+    if name.startswith("fixed"):
         pieces: dict[int, list[tuple[int, int]]] = {}
         for index, start, stop in flat:
             assert 0 <= start < stop <= lengths[index]
@@ -122,7 +123,7 @@ def test_epoch_properties(name, case, world_size, drop_last):
                     assert len(batch) <= BATCH and (len(batch) == BATCH or not drop_last)
                 else:
                     assert token_counts(batch, lengths) <= MAX_TOKENS
-        if name == "fixed":  # rows are exactly full, except the last row of the epoch
+        if name.startswith("fixed"):  # rows are exactly full, except the last row of the epoch
             rows = plan.tokens_per_pack()
             assert (rows[:-1] == MAX_TOKENS).all()
             if drop_last and len(rows):
