@@ -226,6 +226,14 @@ class PackingDataModule(LightningDataModule):
             sampler = self._build_sampler(self.sampler, self.val_lengths, shuffle=False)
         return self._loader(self.val_dataset, sampler)
 
+    def test_dataloader(self) -> DataLoader:
+        """`python main.py test`: the held-out examples, i.e. the validation split (no third split is kept)."""
+        if self.val_dataset is None:
+            raise ValueError(
+                "no held-out examples to test on: set data.val_split > 0 (or use a source with a validation split)"
+            )
+        return self.val_dataloader()
+
     def state_dict(self) -> dict[str, Any]:
         """The training sampler's position (epoch, seed, batches yielded), for mid-epoch resume."""
         if self.train_sampler is not None and hasattr(self.train_sampler, "state_dict"):

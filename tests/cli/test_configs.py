@@ -68,3 +68,14 @@ def test_sampler_and_backend_swap_from_the_command_line(tmp_path, monkeypatch):
     assert type(cli.datamodule.train_sampler).__name__ == "SequentialPackingSampler"
     assert cli.datamodule.train_sampler.max_tokens == 700
     assert cli.model.attn_backend == "sdpa_mask"
+
+
+def test_validate_and_test_subcommands_agree_on_the_held_out_split(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    quickstart = str(Path(__file__).parents[2] / "configs" / "quickstart.yaml")
+    common = [arg for arg in tiny_overrides(tmp_path) if not arg.startswith("--trainer.fast_dev_run")]
+    common.append("--trainer.limit_val_batches=1.0")  # all held-out batches, as `test` uses
+    validated = cli_main(["validate", "--config", quickstart, *common]).trainer.callback_metrics
+    tested = cli_main(["test", "--config", quickstart, *common]).trainer.callback_metrics
+    assert float(tested["test/loss"]) == pytest.approx(float(validated["val/loss"]), rel=1e-6)
+    assert float(tested["test/perplexity"]) > 1
