@@ -31,12 +31,13 @@ def padding_metrics(counts: dict[str, int]) -> dict[str, float]:
 class PackingMonitor(pl.Callback):
     """Log padding ratio, packing efficiency, examples, real / label tokens per step and per epoch.
 
-    Per step (`train/...`): `padding_ratio` (pad slots / slots), `packing_efficiency` (real / slots),
-    `examples_per_step`, `real_tokens`, `label_tokens`, and the running totals `truncated_tokens` (cut by the
-    data's overlong policy in the batches seen so far) and `dropped_tokens` / `dropped_examples` (removed before
-    sampling, from the data module's report). Per epoch: `train/epoch_padding_ratio`,
-    `train/epoch_packing_efficiency`. With several ranks, at logging steps: `train/rank_token_imbalance` and
-    `train/rank_attn_imbalance` (max / mean over ranks of real tokens and of attention cost sum(L^2)).
+    Per optimizer step (`train/...`, summed over its gradient-accumulation micro-batches): `padding_ratio`
+    (pad slots / slots), `packing_efficiency` (real / slots), `examples_per_step`, `real_tokens`, `label_tokens`,
+    and the running totals `truncated_tokens` (cut by the data's overlong policy in the batches seen so far) and
+    `dropped_tokens` / `dropped_examples` (removed before sampling, from the data module's report). Per epoch:
+    `train/epoch_padding_ratio`, `train/epoch_packing_efficiency`. With several ranks, at logging steps:
+    `train/rank_token_imbalance` and `train/rank_attn_imbalance` (max / mean over ranks of real tokens and of
+    attention cost sum(L^2)).
 
     Args:
         prog_bar: show padding ratio in the progress bar.
@@ -45,15 +46,25 @@ class PackingMonitor(pl.Callback):
     def __init__(self, prog_bar: bool = True) -> None:
         self.prog_bar = prog_bar
         self.epoch_totals: Counter[str] = Counter()
+        self._step_counts: Counter[str] = Counter()  # the micro-batches of the optimizer step under way
         self.truncated_tokens = 0
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.epoch_totals = Counter()
+        self._step_counts = Counter()
 
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        counts = batch[COUNTS]
+        self._step_counts.update(batch[COUNTS])
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        # Logged once per optimizer step, over all its gradient-accumulation micro-batches.
+        counts, self._step_counts = self._step_counts, Counter()
+        if not counts:
+            return
         self.epoch_totals.update(counts)
         self.truncated_tokens += counts["truncated_tokens"]
         step = padding_metrics(counts)

@@ -85,6 +85,7 @@ class TokenThroughputMonitor(pl.Callback):
         self._recent: deque[tuple[float, Counter[str]]] = deque(maxlen=window + 1)
         self._shape: dict[str, int] = {}
         self._peak_flops: float | None = None
+        self._restart_pending = True
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = getattr(pl_module, "model", pl_module)
@@ -95,14 +96,20 @@ class TokenThroughputMonitor(pl.Callback):
             self._peak_flops *= trainer.world_size
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._restart_clock()  # the dataloader restart is not training time
+        self._restart_pending = True  # the dataloader restart is not training time
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._restart_clock()  # nor is validation in the middle of an epoch
+        # Nor is validation, nor the checkpoint saved after it (ModelCheckpoint runs after this callback):
+        # the clock restarts when the next training batch starts.
+        self._restart_pending = True
 
-    def _restart_clock(self) -> None:
-        self._recent.clear()
-        self._recent.append((time.perf_counter(), Counter()))
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._restart_pending:
+            self._restart_pending = False
+            self._recent.clear()
+            self._recent.append((time.perf_counter(), Counter()))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -103,6 +103,8 @@ class PackingDataModule(LightningDataModule):
         sampler: builds the training batch sampler from the lengths, e.g. `BestFitPackingSampler` or in YAML
             `{class_path: lit_packing.samplers.BestFitPackingSampler, init_args: {max_tokens: 8192}}`.
         val_sampler: the same for validation; None calls `sampler(val_lengths, shuffle=False)`.
+        val_collator: the collator for validation; None uses `collator`. Set both `val_*` when training cuts or
+            mixes examples (the fixed-length variants) but validation must score whole, isolated examples.
         collator: builds the collate function from the pad id: `PackedCollator` or `PaddedCollator` (the class, or
             in YAML `{class_path: lit_packing.data.PackedCollator, init_args: {pad_to_multiple_of: 64}}`; typed
             by the classes so that jsonargparse builds a factory, not an instance).
@@ -124,6 +126,7 @@ class PackingDataModule(LightningDataModule):
         sampler: Callable[[np.ndarray], Sampler] = BestFitPackingSampler,
         val_sampler: Callable[[np.ndarray], Sampler] | None = None,
         collator: Callable[[int], PackedCollator | PaddedCollator] = PackedCollator,
+        val_collator: Callable[[int], PackedCollator | PaddedCollator] | None = None,
         cache_dir: str | None = None,
         num_proc: int | None = None,
     ) -> None:
@@ -142,6 +145,7 @@ class PackingDataModule(LightningDataModule):
         self.sampler = sampler
         self.val_sampler = val_sampler
         self.collator = collator
+        self.val_collator = val_collator
         self.cache_dir = cache_dir
         self.num_proc = num_proc
         self._tokenizer = None
@@ -215,7 +219,7 @@ class PackingDataModule(LightningDataModule):
         if self._sampler_state is not None:
             self.train_sampler.load_state_dict(self._sampler_state)
             self._sampler_state = None
-        return self._loader(self._require(self.train_dataset), self.train_sampler)
+        return self._loader(self._require(self.train_dataset), self.train_sampler, self.collator)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
@@ -224,7 +228,7 @@ class PackingDataModule(LightningDataModule):
             sampler = self._build_sampler(self.val_sampler, self.val_lengths)
         else:
             sampler = self._build_sampler(self.sampler, self.val_lengths, shuffle=False)
-        return self._loader(self.val_dataset, sampler)
+        return self._loader(self.val_dataset, sampler, self.val_collator or self.collator)
 
     def test_dataloader(self) -> DataLoader:
         """`python main.py test`: the held-out examples, i.e. the validation split (no third split is kept)."""
@@ -292,11 +296,11 @@ class PackingDataModule(LightningDataModule):
             kwargs["seed"] = self.seed
         return factory(lengths, **kwargs)
 
-    def _loader(self, dataset: TokenizedDataset, sampler: Sampler) -> DataLoader:
+    def _loader(self, dataset: TokenizedDataset, sampler: Sampler, collator: Callable) -> DataLoader:
         return DataLoader(
             dataset,
             batch_sampler=_EpochForwardingBatchSampler(sampler),
-            collate_fn=self.collator(self.pad_token_id),
+            collate_fn=collator(self.pad_token_id),
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,

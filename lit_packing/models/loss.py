@@ -86,7 +86,13 @@ def per_example_losses(losses: torch.Tensor, mask: torch.Tensor, segments: torch
 
 
 def num_segments(batch: Mapping[str, Any]) -> int:
-    """Number of segments in `batch_segments` (host-side: from shapes, never a device sync)."""
+    """An upper bound on the segment ids of `batch_segments` (host-side: from shapes, never a device sync).
+
+    `seq_idx` numbers examples, which need not match the attention rows of `cu_seq_lens_q` (the contaminated
+    fixed-length collator has rows spanning several examples), so it is bounded by T; unused ids count 0 tokens.
+    """
+    if "seq_idx" in batch:
+        return batch["seq_idx"].shape[1]
     if "cu_seq_lens_q" in batch:
         return batch["cu_seq_lens_q"].shape[0] - 1
     return batch["labels"].shape[0]

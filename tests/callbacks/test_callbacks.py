@@ -38,7 +38,7 @@ class FixedBatches(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def fit(tmp_path, monkeypatch, batches):
+def fit(tmp_path, monkeypatch, batches, accumulate=1):
     ticks = itertools.count()
     monkeypatch.setattr(throughput_module.time, "perf_counter", lambda: next(ticks) * STEP_SECONDS)
     trainer = pl.Trainer(
@@ -50,6 +50,7 @@ def fit(tmp_path, monkeypatch, batches):
         enable_progress_bar=False,
         enable_model_summary=False,
         accelerator="cpu",
+        accumulate_grad_batches=accumulate,
     )
     trainer.fit(FixedBatches(batches))
     with open(next(tmp_path.rglob("metrics.csv"))) as f:
@@ -94,3 +95,13 @@ def test_flops_count_the_attention_the_batch_really_costs():
     attn = 12 * 2 * 8
     assert throughput_module.train_flops(shape, packed) == 6 * 1000 * 28 + attn * (16 + 64 + 25 + 121)
     assert throughput_module.train_flops(shape, padded) == 6 * 1000 * 44 + attn * 4 * 121
+
+
+def test_gradient_accumulation_logs_once_per_optimizer_step_over_all_micro_batches(tmp_path, monkeypatch):
+    collate = PackedCollator(pad_to_multiple_of=16)
+    _, rows = fit(tmp_path, monkeypatch, [collate(examples(lengths)) for lengths in BATCH_LENGTHS], accumulate=2)
+    # Step 0 = micro-batches (4, 8, 5, 11) + (30,): 58 real in 64 slots; step 1 = the epoch's last micro-batch.
+    assert [row["step"] for row in rows] == [0, 1]
+    assert [row["train/padding_ratio"] for row in rows] == pytest.approx([6 / 64, 10 / 16])
+    assert [row["train/examples_per_step"] for row in rows] == [5, 2]
+    assert [row["train/label_tokens"] for row in rows] == [24 + 29, 4]

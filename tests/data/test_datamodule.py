@@ -121,6 +121,28 @@ def test_factories_and_collator_are_pluggable(cache_dir):
     assert dm.val_dataloader().batch_sampler.sampler.max_tokens == 1024
 
 
+def test_fixed_length_training_validates_whole_isolated_examples(cache_dir):
+    from lit_packing.data import PackedCollator
+    from lit_packing.samplers import FixedLengthPackingSampler
+
+    dm = ready(
+        source=Chatterbot(),
+        limit=60,
+        val_split=10,
+        cache_dir=cache_dir,
+        sampler=functools.partial(FixedLengthPackingSampler, max_tokens=64),
+        collator=functools.partial(PackedCollator, isolate=False, row_length=64),
+        val_sampler=functools.partial(BestFitPackingSampler, max_tokens=4096),
+        val_collator=PackedCollator,
+    )
+    train = next(iter(dm.train_dataloader()))
+    assert train["cu_seq_lens_q"].tolist() == [0, 64]  # one contaminated row
+    val = [batch for batch in dm.val_dataloader()]
+    assert sum(b["counts"]["examples"] for b in val) == 10
+    assert sum(b["counts"]["real_tokens"] for b in val) == int(dm.val_lengths.sum())  # whole examples, not slices
+    assert all(len(b["cu_seq_lens_q"]) == b["counts"]["examples"] + 1 for b in val)  # one segment per example
+
+
 def test_no_validation_set(cache_dir):
     dm = ready(source=Chatterbot(), limit=20, val_split=0, cache_dir=cache_dir)
     assert dm.val_dataset is None and dm.val_dataloader() == [] and len(dm.val_lengths) == 0

@@ -137,6 +137,20 @@ def test_sequence_normalization_matches_hand_computation(tiny_llama_config, kind
     torch.testing.assert_close(metrics["train/loss"].double(), token_mean, atol=0, rtol=1e-9)
 
 
+def test_sequence_loss_with_rows_spanning_examples():
+    """The contaminated fixed-length collator: attention rows (cu_seq_lens) != examples (seq_idx); still per example."""
+    examples = [{"input_ids": list(range(1, n + 1)), "labels": list(range(1, n + 1))} for n in (5, 3, 6)]
+    batch = PackedCollator(isolate=False, row_length=8)(examples)
+    assert batch["cu_seq_lens_q"].tolist() == [0, 8, 14] and int(batch["seq_idx"].max()) == 2
+    logits = torch.randn(1, 14, 16)
+    parts = causal_lm_loss(logits, batch, "sequence")
+    losses, mask, _ = token_losses(logits, batch["labels"])
+    per_token = losses[0] * mask[0]
+    means = [per_token[a:b].sum() / mask[0, a:b].sum() for a, b in ((0, 4), (4, 7), (7, 13))]  # targets shift by 1
+    torch.testing.assert_close(parts.objective, sum(means))
+    assert parts.normalizer.item() == 3
+
+
 def test_sequence_loss_parts_by_hand():
     """Two examples, per-token losses known: the objective is the sum of the two example means."""
     vocab = 4
