@@ -173,6 +173,11 @@ class PlannedBatchSampler(Sampler[list]):
         self._plans.move_to_end(key)
         return self._plans[key]
 
+    def _order(self, rng: np.random.Generator) -> np.ndarray:
+        """The epoch's example order: a seeded permutation when shuffling, else data order. (n,) int64."""
+        n = len(self.lengths)
+        return rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
+
     def schedule(self, epoch: int | None = None) -> np.ndarray:
         """(steps, world_size) pack ids of ``epoch`` per step and rank, -1 for an empty pack (see ``deal``)."""
         return deal(len(self.plan(epoch)), self.world_size, self.drop_last)

@@ -77,8 +77,7 @@ class FixedLengthPackingSampler(PlannedBatchSampler):
         super().__init__(lengths, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size)
 
     def _build_plan(self, epoch: int, rng: np.random.Generator) -> PackPlan:
-        n = len(self.lengths)
-        order = rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
+        order = self._order(rng)
         pieces, offsets = fixed_length_rows(self.lengths[order], self.max_tokens, self.drop_last)
         pieces[:, 0] = order[pieces[:, 0]]
         n_rows = len(offsets) - 1

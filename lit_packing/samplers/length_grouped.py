@@ -48,12 +48,11 @@ class LengthGroupedSampler(PlannedBatchSampler):
         super().__init__(lengths, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size)
 
     def _build_plan(self, epoch: int, rng: np.random.Generator) -> PackPlan:
-        n = len(self.lengths)
-        order = rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
+        order = self._order(rng)
         # Mega-batches start at multiples of batch_size, so batches never straddle two of them.
-        mega = np.arange(n) // (self.batch_size * self.mega_batch_mult)
+        mega = np.arange(len(order)) // (self.batch_size * self.mega_batch_mult)
         order = order[np.lexsort((-self.lengths[order], mega))]
-        offsets = batch_offsets(n, self.batch_size, self.drop_last)
+        offsets = batch_offsets(len(order), self.batch_size, self.drop_last)
         if self.shuffle and len(offsets) > 1:
             batch_order = rng.permutation(len(offsets) - 1)
             longest = int(np.argmax(self.lengths[order])) // self.batch_size  # batch of the longest example

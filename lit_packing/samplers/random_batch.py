@@ -54,6 +54,5 @@ class RandomBatchSampler(PlannedBatchSampler):
         super().__init__(lengths, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size)
 
     def _build_plan(self, epoch: int, rng: np.random.Generator) -> PackPlan:
-        n = len(self.lengths)
-        order = rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
-        return PackPlan(order, batch_offsets(n, self.batch_size, self.drop_last), self.lengths[order])
+        order = self._order(rng)
+        return PackPlan(order, batch_offsets(len(order), self.batch_size, self.drop_last), self.lengths[order])

@@ -45,7 +45,6 @@ class SequentialPackingSampler(PlannedBatchSampler):
         self.max_tokens = max_tokens
 
     def _build_plan(self, epoch: int, rng: np.random.Generator) -> PackPlan:
-        n = len(self.lengths)
-        order = rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
+        order = self._order(rng)
         offsets = kernels.next_fit(self.lengths[order], self.max_tokens)
         return PackPlan(order, offsets, self.lengths[order], self.max_tokens)
