@@ -131,6 +131,7 @@ class PlannedBatchSampler(Sampler[list]):
         self._rank = rank
         self._world_size = world_size
         self.epoch = 0
+        self.accumulate = 1  # micro-batches per optimizer step; the data module sets trainer.accumulate_grad_batches
         self._yielded = 0  # batches this rank handed out in the current epoch (resume point)
         self._resume = False  # True after load_state_dict: the next __iter__ starts at self._yielded
         self._plans: OrderedDict[tuple[int, int], PackPlan] = OrderedDict()
@@ -178,9 +179,17 @@ class PlannedBatchSampler(Sampler[list]):
         n = len(self.lengths)
         return rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
 
+    def _deal(self, plan: PackPlan, pack_ids: np.ndarray, world_size: int) -> np.ndarray:
+        """Assign ``pack_ids`` (a subset of ``plan``'s packs, in plan order) to steps and ranks: (steps, world_size)
+        int64 pack ids, -1 for an empty pack. Default: round-robin (``deal``). A balancing sampler overrides this;
+        it may read ``self.accumulate`` (micro-batches per optimizer step) to balance whole optimizer steps."""
+        schedule = deal(len(pack_ids), world_size, self.drop_last)
+        return np.where(schedule >= 0, pack_ids[np.maximum(schedule, 0)], -1)
+
     def schedule(self, epoch: int | None = None) -> np.ndarray:
-        """(steps, world_size) pack ids of ``epoch`` per step and rank, -1 for an empty pack (see ``deal``)."""
-        return deal(len(self.plan(epoch)), self.world_size, self.drop_last)
+        """(steps, world_size) pack ids of ``epoch`` per step and rank, -1 for an empty pack (see ``_deal``)."""
+        plan = self.plan(epoch)
+        return self._deal(plan, np.arange(len(plan), dtype=np.int64), self.world_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch to plan; a pending resume point survives only if it belongs to this epoch."""
