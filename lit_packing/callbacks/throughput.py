@@ -64,6 +64,24 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+def data_rows(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, str]]:
+    """Summary rows for what the run skipped or changed: bad rows, drops, cuts, duplicates, non-finite steps."""
+    report = getattr(trainer.datamodule, "report", None) if trainer.datamodule is not None else None
+    rows = []
+    if report is not None:
+        rows += [
+            ("bad rows skipped", f"{report.bad_examples:,}"),
+            ("dropped overlong", f"{report.dropped_overlong_examples:,} ({report.dropped_overlong_tokens:,} tokens)"),
+            ("dropped, no label", f"{report.dropped_no_label_examples:,}"),
+            ("truncated", f"{report.truncated_examples:,} ({report.truncated_tokens:,} tokens cut)"),
+            ("duplicates", f"{report.duplicate_examples:,}"),
+            ("val also in train", f"{getattr(trainer.datamodule, 'overlap_examples', 0):,}"),
+        ]
+    if hasattr(pl_module, "nonfinite_steps"):
+        rows.append(("non-finite steps skipped", f"{pl_module.nonfinite_steps:,}"))
+    return rows
+
+
 class TokenThroughputMonitor(pl.Callback):
     """Log effective tokens/s (real tokens only) and friends every step, smoothed over a window of steps.
 
@@ -153,7 +171,8 @@ class TokenThroughputMonitor(pl.Callback):
             Console().print(self.summary_table(trainer, pl_module))
 
     def summary_table(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Table:
-        """Steps, examples, real tokens, padding, effective tokens/s, peak memory, final losses (this rank's data)."""
+        """Steps, examples, real tokens, padding, effective tokens/s, peak memory, final losses (this rank's data),
+        and what the data pipeline and the numerics guard skipped or changed (`data_rows`)."""
         totals, seconds = self.totals, max(self.train_seconds, 1e-9)
         metrics = trainer.callback_metrics
         rows = [
@@ -169,6 +188,7 @@ class TokenThroughputMonitor(pl.Callback):
         for key in ("train/loss", "val/loss", "val/perplexity"):
             if key in metrics:
                 rows.append((key, f"{float(metrics[key]):.4f}"))
+        rows += data_rows(trainer, pl_module)
         table = Table(title="lit_packing fit summary", show_header=False)
         for name, value in rows:
             table.add_row(name, value)

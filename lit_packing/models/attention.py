@@ -104,6 +104,17 @@ def resolve_backend(backend: AttnBackend, device: torch.device | str) -> str:
     return backend
 
 
+def available_backends(device: torch.device | str) -> list[str]:
+    """The backends that can run on `device` here, fastest first (e.g. `["cpu_varlen", "sdpa_mask"]` on a CPU)."""
+    usable = []
+    for backend in BACKENDS:
+        try:
+            usable.append(resolve_backend(backend, device))
+        except ValueError:
+            continue
+    return usable
+
+
 def attn_implementation(backend: str) -> str:
     """The transformers `attn_implementation` name of a (resolved) backend, registered on first use."""
     if backend not in HF_NAMES:

@@ -8,6 +8,9 @@ What it adds to a plain `AutoModelForCausalLM`:
 - the loss computed here from the logits, as one global mean over every gradient-accumulation micro-batch and
   every data-parallel rank (`loss_normalization`), so packing never changes the gradient;
 - a host-side check of every batch and an isolation self-test before the first step (see `isolation.py`);
+- numerics guards: a non-finite loss or gradient stops the run naming the step (`nonfinite=error`) or skips the
+  step and counts it (`skip`, logged as `train/nonfinite_steps`); `export` refuses non-finite weights; token ids
+  outside the embedding table are refused at setup;
 - validation metrics (`val/loss`, `val/perplexity`, `val/token_accuracy`) that packed and padded batches agree on.
 """
 
@@ -34,7 +37,8 @@ from lit_packing.data.collate import (
     MAX_LENGTH_Q,
     POSITION_IDS,
 )
-from lit_packing.models.attention import AttnBackend, attn_implementation, resolve_backend
+from lit_packing.errors import ConfigError, DataError, TrainingError, check_range
+from lit_packing.models.attention import AttnBackend, attn_implementation, available_backends, resolve_backend
 from lit_packing.models.isolation import check_isolation, check_packed_batch
 from lit_packing.models.loading import DType, apply_lora, load_causal_lm, no_decay_parameter_ids
 from lit_packing.models.loss import LossNormalization, causal_lm_loss, token_losses
@@ -46,6 +50,7 @@ MODEL_INPUT_KEYS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_S
 # point) so that fp16 per-token gradients under a GradScaler stay far from overflow; undone in the step's scaling.
 SUM_DIVISOR = 1024.0
 Schedule = Literal["cosine", "linear", "constant"]
+NonFinite = Literal["error", "skip"]
 
 
 class PackedCausalLM(LightningModule):
@@ -72,6 +77,8 @@ class PackedCausalLM(LightningModule):
         lora: `peft.LoraConfig` kwargs (e.g. `{r: 16, lora_alpha: 32, target_modules: all-linear}`): train adapters.
         resize_embeddings: let a tokenizer larger than a pretrained model's vocabulary grow the embeddings.
         export_dir: at the end of `fit`, `save_pretrained` the model (adapters with LoRA) and tokenizer here.
+        nonfinite: a NaN/inf loss or gradient: `error` (default) stops the run naming the step; `skip` drops that
+            optimizer step (no update) and counts it (`train/nonfinite_steps`, the fit summary).
     """
 
     def __init__(
@@ -95,13 +102,14 @@ class PackedCausalLM(LightningModule):
         lora: dict | None = None,
         resize_embeddings: bool = False,
         export_dir: str | None = None,
+        nonfinite: NonFinite = "error",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        if loss_normalization not in ("token", "sequence"):
-            raise ValueError(f"loss_normalization={loss_normalization!r}: use token or sequence")
+        _check_settings(self.hparams)
         # Until the trainer says which device we run on, guess; `setup` resolves again for the real device.
         guess = "cuda" if torch.cuda.is_available() else "cpu"
+        _backend_here(attn_backend, guess)  # a backend no device here can run fails before the model loads
         portable = attn_backend if attn_backend in ("cpu_varlen", "sdpa_mask") else "auto"
         self.attn_backend: str = resolve_backend(portable, guess)  # the backend in use (`auto` resolved)
         self.model = load_causal_lm(
@@ -114,6 +122,7 @@ class PackedCausalLM(LightningModule):
         self.eval_metrics = torch.nn.ModuleDict({stage: _eval_metrics() for stage in ("val", "test")})
         self._step_totals: torch.Tensor | None = None  # [token loss sum, label tokens, normalizer] of this step
         self._isolation_pending = isolation_check
+        self.nonfinite_steps = 0  # optimizer steps skipped under nonfinite=skip
 
     # ------------------------------------------------------------------------------------------------------------
     # Setup
@@ -125,13 +134,26 @@ class PackedCausalLM(LightningModule):
 
     def setup(self, stage: str) -> None:
         device = self.trainer.strategy.root_device
-        self.attn_backend = resolve_backend(self.hparams.attn_backend, device)
+        self.attn_backend = _backend_here(self.hparams.attn_backend, device)
+        self._check_token_ids()
         self.hf_model.set_attn_implementation(attn_implementation(self.attn_backend))
         how = " (auto)" if self.hparams.attn_backend == "auto" else ""
         rank_zero_info(f"attention backend: {self.attn_backend}{how} on {device}")
         if self.hparams.compile and not getattr(self, "_compiled", False):
             self.model.compile(dynamic=True)
             self._compiled = True
+
+    def _check_token_ids(self) -> None:
+        """Refuse data whose token ids fall outside the embedding table (once, from the data module's max id)."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        low, high = getattr(datamodule, "token_id_range", (0, 0))
+        rows = self.hf_model.get_input_embeddings().num_embeddings
+        if low < 0 or high >= rows:
+            raise DataError(
+                f"the tokenized data holds token ids {low:,}..{high:,} but the model has {rows:,} embedding rows: "
+                f"data.tokenizer does not match model.model (use the model's own tokenizer, or "
+                f"model.resize_embeddings=true), or the tokenized cache was altered (delete it under data.cache_dir)"
+            )
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if isinstance(batch, Mapping):
@@ -172,11 +194,37 @@ class PackedCausalLM(LightningModule):
             return
         totals = self.trainer.strategy.reduce(self._step_totals, reduce_op="sum")  # one all-reduce per step
         self._step_totals = None
+        if not self._finite_step(totals[0]):
+            return
         # DDP averages gradients over ranks and Lightning divides each micro-batch loss by accumulate_grad_batches.
         world, accumulate = self.trainer.world_size, self.trainer.accumulate_grad_batches
         factor = world * accumulate * SUM_DIVISOR / totals[2].clamp_min(1)
         scale_gradients(self.parameters(), factor)
         self.log("train/loss", totals[0] / totals[1].clamp_min(1), prog_bar=True, on_step=True, on_epoch=False)
+
+    def _finite_step(self, loss_sum: torch.Tensor) -> bool:
+        """Whether this optimizer step's loss and gradients are finite (one host sync); if not, raise a
+        `TrainingError` (`nonfinite=error`) or drop every gradient so the optimizer skips the step (`skip`)."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        # Under fp16 the GradScaler itself skips steps with inf gradients (and lowers its scale): check the loss only.
+        check_grads = grads and str(self.trainer.precision) != "16-mixed"
+        norms = torch._foreach_norm(grads) if check_grads else []
+        total = torch.stack([loss_sum.float(), *(n.float().to(loss_sum.device) for n in norms)]).sum()
+        if torch.isfinite(total):
+            return True
+        what = "loss" if not torch.isfinite(loss_sum) else "gradient"
+        if self.hparams.nonfinite == "error":
+            raise TrainingError(
+                f"non-finite {what} at optimizer step {self.global_step} (epoch {self.current_epoch}): lower model.lr "
+                f"(now {self.hparams.lr:g}), set trainer.gradient_clip_val, check the data of that step, or set "
+                f"model.nonfinite=skip to skip such steps (they are counted)"
+            )
+        for p in self.parameters():
+            p.grad = None  # AdamW leaves parameters without a gradient untouched
+        self.nonfinite_steps += 1
+        log.warning("skipped optimizer step %d: non-finite %s (model.nonfinite=skip)", self.global_step, what)
+        self.log("train/nonfinite_steps", float(self.nonfinite_steps), on_step=True, on_epoch=False)
+        return False
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -238,7 +286,17 @@ class PackedCausalLM(LightningModule):
             self.export(self.hparams.export_dir)
 
     def export(self, path: str) -> None:
-        """`save_pretrained` the model (LoRA: the adapters) and, when one is known, the tokenizer."""
+        """`save_pretrained` the model (LoRA: the adapters) and, when one is known, the tokenizer.
+
+        Raises:
+            TrainingError: a weight is NaN or infinite; nothing is written.
+        """
+        broken = [name for name, p in self.model.named_parameters() if not torch.isfinite(p).all()]
+        if broken:
+            raise TrainingError(
+                f"not exporting to {path}: {len(broken):,} weight tensors hold NaN or inf (first: {broken[0]}); "
+                f"the run diverged: lower model.lr or set trainer.gradient_clip_val, and train again"
+            )
         self.model.save_pretrained(path)
         tokenizer = getattr(self._trainer.datamodule, "tokenizer", None) if self._trainer is not None else None
         if tokenizer is None and self.hparams.model_config is None:
@@ -251,6 +309,32 @@ class PackedCausalLM(LightningModule):
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
         rank_zero_info(f"exported the model{' and tokenizer' if tokenizer is not None else ''} to {path}")
+
+
+def _check_settings(hp: Mapping[str, Any]) -> None:
+    """Range-check the numeric settings and choices, naming each by its CLI path (`model.lr`)."""
+    if hp["loss_normalization"] not in ("token", "sequence"):
+        choice = hp["loss_normalization"]
+        raise ConfigError("model.loss_normalization", f"{choice!r} is not a choice", "use token or sequence")
+    if hp["nonfinite"] not in ("error", "skip"):
+        raise ConfigError("model.nonfinite", f"{hp['nonfinite']!r} is not a policy", "use error or skip")
+    check_range("model.lr", hp["lr"], 0)  # 0 is a dry run: gradients without updates
+    check_range("model.weight_decay", hp["weight_decay"], 0)
+    check_range("model.eps", hp["eps"], 0, low_open=True)
+    check_range("model.warmup_steps", hp["warmup_steps"], 0)
+    check_range("model.min_lr_ratio", hp["min_lr_ratio"], 0, 1)
+    check_range("model.vocab_size", hp["vocab_size"], 1)
+    for i, beta in enumerate(hp["betas"]):
+        check_range(f"model.betas[{i}]", beta, 0, 1, high_open=True)
+
+
+def _backend_here(backend: str, device: torch.device | str) -> str:
+    """`resolve_backend`, raising a `ConfigError` that lists the backends this device can run."""
+    try:
+        return resolve_backend(backend, device)
+    except ValueError as error:
+        usable = ", ".join(available_backends(device))
+        raise ConfigError("model.attn_backend", str(error), f"on {device} these run: auto, {usable}") from None
 
 
 def scale_gradients(parameters, factor: torch.Tensor) -> None:
