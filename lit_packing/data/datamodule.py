@@ -42,7 +42,7 @@ from lit_packing.data.tokenize import (
     tokenize_dataset,
 )
 from lit_packing.errors import ConfigError, DataError, check_range
-from lit_packing.samplers import BestFitPackingSampler
+from lit_packing.samplers import BestFitPackingSampler, PlannedBatchSampler
 
 VALIDATION_SPLITS = ("validation", "test")  # a source's own split used for validation, first found
 
@@ -276,6 +276,12 @@ class PackingDataModule(LightningDataModule):
                     highs.append(found["max"].as_py())
         return (min(lows), max(highs)) if lows else (0, 0)
 
+    def name_rows(self, indices: list[int]) -> str:
+        """Training examples (their `index`, as `batch["rows"]` carries) named as the user counts them."""
+        table = self._require(self.train_dataset).dataset
+        where = dict(zip(column(table, INDEX).tolist(), column(table, ROW).tolist()))
+        return "; ".join(self.source.row_name(where[i]) if i in where else f"index {i}" for i in indices)
+
     def _warn_about(self, train: datasets.Dataset, val: datasets.Dataset) -> None:
         """Name what was skipped, dropped or duplicated, and validation examples that also appear in training."""
         report, name = self.report, self.source.row_name
@@ -295,11 +301,17 @@ class PackingDataModule(LightningDataModule):
                 )
 
     def train_dataloader(self) -> DataLoader:
+        dataset = self._require(self.train_dataset)
         self.train_sampler = self._build_sampler(self.sampler, self.train_lengths)
+        if isinstance(self.train_sampler, PlannedBatchSampler):
+            # Every pack carries its optimizer step's label totals, so the loss needs no communication.
+            self.train_sampler.label_counter = dataset.count_labels
+            if self.trainer is not None:
+                self.train_sampler.accumulate = self.trainer.accumulate_grad_batches
         if self._sampler_state is not None:
             self.train_sampler.load_state_dict(self._sampler_state)
             self._sampler_state = None
-        return self._loader(self._require(self.train_dataset), self.train_sampler, self.collator)
+        return self._loader(dataset, self.train_sampler, self.collator)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
@@ -319,10 +331,15 @@ class PackingDataModule(LightningDataModule):
         return self.val_dataloader()
 
     def state_dict(self) -> dict[str, Any]:
-        """The training sampler's position (epoch, seed, batches yielded), for mid-epoch resume."""
-        if self.train_sampler is not None and hasattr(self.train_sampler, "state_dict"):
-            return {"train_sampler": self.train_sampler.state_dict()}
-        return {}
+        """The training sampler's position, saved in every checkpoint (Lightning calls this): the micro-batches of
+        the epoch that were TRAINED (Lightning's count, never what the DataLoader's workers prefetched), the
+        epoch, the seed, the layout (world size, accumulation) and the plan's identity."""
+        if self.train_sampler is None or not hasattr(self.train_sampler, "state_dict"):
+            return {}
+        if isinstance(self.train_sampler, PlannedBatchSampler) and self.trainer is not None:
+            trained = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            return {"train_sampler": self.train_sampler.state_dict(steps_done=trained)}
+        return {"train_sampler": self.train_sampler.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore `state_dict()`: applied to the training sampler now, or when `train_dataloader` builds it."""

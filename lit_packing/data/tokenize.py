@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from datasets import Features, List, Value
 
-from lit_packing.data.collate import IGNORE_INDEX, INPUT_IDS, LABELS
+from lit_packing.data.collate import IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, Pack
 from lit_packing.data.sources import CHAT, LINE, PROBLEM, PROMPT_COMPLETION, example_problem, example_shape
 from lit_packing.errors import ConfigError, DataError
 
@@ -53,12 +53,11 @@ OnBadRow = Literal["error", "skip"]
 
 LENGTH = "length"
 TRUNCATED_TOKENS = "truncated_tokens"
-INDEX = "index"  # row of the example in the dataset that was tokenized (the source order)
 ROW = "row"  # the example's row as the user counts it: its line in a JSON Lines file, else its source row
 TOKEN_HASH = "token_hash"  # 64-bit BLAKE2b of the token ids: equal for duplicate examples
-_LABEL_TOKENS = "label_tokens"
+LABEL_TOKENS = "label_tokens"  # trained tokens of the example (labels != -100, its first label masked)
 _DROPPED = "dropped"  # "", "bad", "overlong" or "no_labels"
-OUTPUT_COLUMNS = [INPUT_IDS, LABELS, LENGTH, TRUNCATED_TOKENS, INDEX, ROW, TOKEN_HASH]
+OUTPUT_COLUMNS = [INPUT_IDS, LABELS, LENGTH, TRUNCATED_TOKENS, INDEX, LABEL_TOKENS, ROW, TOKEN_HASH]
 SAMPLES = 5  # offending rows named per kind, in messages and reports
 STALE_TMP_SECONDS = 600  # a `tmp*` file untouched this long in a cache folder is a killed run's leftover
 
@@ -71,7 +70,7 @@ _FEATURES = Features(
         INDEX: Value("int64"),
         ROW: Value("int64"),
         TOKEN_HASH: Value("int64"),
-        _LABEL_TOKENS: Value("int32"),
+        LABEL_TOKENS: Value("int32"),
         _DROPPED: Value("string"),
         PROBLEM: Value("string"),
     }
@@ -285,7 +284,7 @@ class _Encoder:
 def _fit(ids: list[int], labels: list[int], max_length: int, overlong: str) -> dict[str, Any]:
     """Apply `max_length` / `overlong` and the no-label rule to one example: the columns the map writes for it."""
     n, cut = len(ids), max(0, len(ids) - max_length)
-    row = {TRUNCATED_TOKENS: 0, _LABEL_TOKENS: 0, _DROPPED: "", PROBLEM: "", INPUT_IDS: [], LABELS: []}
+    row = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, _DROPPED: "", PROBLEM: "", INPUT_IDS: [], LABELS: []}
     if cut and overlong in ("drop", "error"):  # `error` raises after the map, naming every such row
         return {**row, LENGTH: n, _DROPPED: "overlong", PROBLEM: f"{n:,} tokens"}
     ids, labels = ids[:max_length], labels[:max_length]
@@ -294,7 +293,7 @@ def _fit(ids: list[int], labels: list[int], max_length: int, overlong: str) -> d
     trained = sum(label != IGNORE_INDEX for label in labels)
     if not trained:
         return {**row, LENGTH: len(ids), TRUNCATED_TOKENS: cut, _DROPPED: "no_labels"}
-    return {**row, INPUT_IDS: ids, LABELS: labels, LENGTH: len(ids), TRUNCATED_TOKENS: cut, _LABEL_TOKENS: trained}
+    return {**row, INPUT_IDS: ids, LABELS: labels, LENGTH: len(ids), TRUNCATED_TOKENS: cut, LABEL_TOKENS: trained}
 
 
 def token_hash(ids: list[int]) -> int:
@@ -318,7 +317,7 @@ def _tokenize_batch(
     chosen = {name: [batch[name][k] for k in good] for name in batch}
     ids, labels = encoder(chosen, [indices[k] for k in good]) if good else ([], [])
     fitted = dict(zip(good, (_fit(list(x), list(y), max_length, overlong) for x, y in zip(ids, labels))))
-    bad = {TRUNCATED_TOKENS: 0, _LABEL_TOKENS: 0, _DROPPED: "bad", INPUT_IDS: [], LABELS: [], LENGTH: 0}
+    bad = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, _DROPPED: "bad", INPUT_IDS: [], LABELS: [], LENGTH: 0}
     out = []
     for k, index in enumerate(indices):
         row = fitted.get(k) or {**bad, PROBLEM: problems[k]}
@@ -339,7 +338,7 @@ def _samples(where: np.ndarray, rows: np.ndarray, details: np.ndarray | None = N
 
 def _report(mapped: datasets.Dataset) -> TokenizationReport:
     length, cut = column(mapped, LENGTH).astype(np.int64), column(mapped, TRUNCATED_TOKENS).astype(np.int64)
-    trained, dropped = column(mapped, _LABEL_TOKENS).astype(np.int64), column(mapped, _DROPPED)
+    trained, dropped = column(mapped, LABEL_TOKENS).astype(np.int64), column(mapped, _DROPPED)
     rows, problems, hashes = column(mapped, ROW), column(mapped, PROBLEM), column(mapped, TOKEN_HASH)
     kept, overlong, unlabelled, bad = dropped == "", dropped == "overlong", dropped == "no_labels", dropped == "bad"
     duplicate = np.zeros(len(mapped), dtype=bool)
@@ -561,18 +560,20 @@ def _map(dataset, tokenizer, shape, template, max_length, overlong, train_on, nu
 class TokenizedDataset(torch.utils.data.Dataset):
     """Examples by row, or token slices of them, for the collator; `lengths` without reading any token.
 
-    `ds[3]` -> `{"input_ids": array, "labels": array, "truncated_tokens": int}`; `ds[(3, 100, 200)]` -> tokens
-    100..199 of example 3 (what `FixedLengthPackingSampler` asks for; `truncated_tokens` only on the slice at 0,
-    so an example's cut tokens are counted once). Arrays are read-only int32 views of the memory-mapped Arrow file
-    (about 40 us a row; `datasets`' numpy formatting takes about 200 us).
+    `ds[3]` -> `{"input_ids": array, "labels": array, "index": source row, "truncated_tokens": int}`;
+    `ds[(3, 100, 200)]` -> tokens 100..199 of example 3 (what `FixedLengthPackingSampler` asks for;
+    `truncated_tokens` only on the slice at 0, so an example's cut tokens are counted once). Arrays are read-only
+    int32 views of the memory-mapped Arrow file (about 40 us a row; `datasets`' numpy formatting takes about 200 us).
+    A `Pack` of keys is read as a `Pack` of items carrying the same optimizer-step totals.
 
     Args:
         dataset: the output of `tokenize_dataset` (or a `select` of it).
     """
 
     def __init__(self, dataset: datasets.Dataset) -> None:
-        self.dataset = dataset.with_format("arrow", columns=[INPUT_IDS, LABELS, TRUNCATED_TOKENS])
+        self.dataset = dataset.with_format("arrow", columns=[INPUT_IDS, LABELS, TRUNCATED_TOKENS, INDEX])
         self._lengths: np.ndarray | None = None
+        self._label_tokens: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -584,13 +585,40 @@ class TokenizedDataset(torch.utils.data.Dataset):
             self._lengths = column(self.dataset, LENGTH).astype(np.int64)
         return self._lengths
 
+    @property
+    def label_tokens(self) -> np.ndarray:
+        """(n,) int64 trained tokens per example, read from the `label_tokens` column only."""
+        if self._label_tokens is None:
+            self._label_tokens = column(self.dataset, LABEL_TOKENS).astype(np.int64)
+        return self._label_tokens
+
+    def count_labels(self, keys: list) -> list[int]:
+        """Trained tokens of each key as the collator will see it: a row's count, or a slice's (whose first label
+        the collator masks), read from the labels of the sliced rows only."""
+        counts = []
+        for key in keys:
+            if isinstance(key, tuple):
+                labels = self[key][LABELS]
+                counts.append(int((labels[1:] != IGNORE_INDEX).sum()))
+            else:
+                counts.append(int(self.label_tokens[key]))
+        return counts
+
     def __getitem__(self, key: int | tuple[int, int, int]) -> dict[str, Any]:
         index, start, stop = key if isinstance(key, tuple) else (key, 0, None)
         row = self.dataset[int(index)]  # a one-row pyarrow.Table
-        item = {INPUT_IDS: _tokens(row, INPUT_IDS)[start:stop], LABELS: _tokens(row, LABELS)[start:stop]}
+        item = {
+            INPUT_IDS: _tokens(row, INPUT_IDS)[start:stop],
+            LABELS: _tokens(row, LABELS)[start:stop],
+            INDEX: row.column(INDEX)[0].as_py(),
+        }
         if start == 0:
             item[TRUNCATED_TOKENS] = row.column(TRUNCATED_TOKENS)[0].as_py()
         return item
+
+    def __getitems__(self, keys: list) -> list[dict[str, Any]]:
+        # The DataLoader hands a batch sampler's whole item to this method: keep a Pack's step totals.
+        return Pack([self[key] for key in keys], step=getattr(keys, "step", None))
 
 
 def _tokens(row, name: str) -> np.ndarray:

@@ -6,7 +6,9 @@
 What it adds to a plain `AutoModelForCausalLM`:
 - a varlen attention backend reading `cu_seq_lens_*` (see `attention.py`); padded batches run sdpa with their mask;
 - the loss computed here from the logits, as one global mean over every gradient-accumulation micro-batch and
-  every data-parallel rank (`loss_normalization`), so packing never changes the gradient;
+  every data-parallel rank (`loss_normalization`), so packing never changes the gradient: each micro-batch's loss
+  sum is divided by its optimizer step's global label count, which every batch carries (`batch["step"]`, from the
+  sampler's global plan), so no gradient is ever rescaled and no rank communicates for it;
 - a host-side check of every batch and an isolation self-test before the first step (see `isolation.py`);
 - numerics guards: a non-finite loss or gradient stops the run naming the step (`nonfinite=error`) or skips the
   step and counts it (`skip`, logged as `train/nonfinite_steps`); `export` refuses non-finite weights; token ids
@@ -36,6 +38,8 @@ from lit_packing.data.collate import (
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
     POSITION_IDS,
+    ROWS,
+    STEP,
 )
 from lit_packing.errors import ConfigError, DataError, TrainingError, check_range
 from lit_packing.models.attention import AttnBackend, attn_implementation, available_backends, resolve_backend
@@ -46,11 +50,11 @@ from lit_packing.models.loss import LossNormalization, causal_lm_loss, token_los
 log = logging.getLogger(__name__)
 
 MODEL_INPUT_KEYS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K)
-# The backward pass starts from a loss *sum* (thousands of tokens): divided by a power of two (exact in floating
-# point) so that fp16 per-token gradients under a GradScaler stay far from overflow; undone in the step's scaling.
-SUM_DIVISOR = 1024.0
+# The strategies whose gradient reduction this loss is tested under (each averages gradients over ranks).
+TESTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy")
 Schedule = Literal["cosine", "linear", "constant"]
 NonFinite = Literal["error", "skip"]
+SAMPLE_ROWS = 8  # source rows named when a step fails
 
 
 class PackedCausalLM(LightningModule):
@@ -120,9 +124,10 @@ class PackedCausalLM(LightningModule):
         if lora:
             self.model = apply_lora(self.model, lora)
         self.eval_metrics = torch.nn.ModuleDict({stage: _eval_metrics() for stage in ("val", "test")})
-        self._step_totals: torch.Tensor | None = None  # [token loss sum, label tokens, normalizer] of this step
+        self._step_totals: torch.Tensor | None = None  # [token loss sum, label tokens] of this step on this rank
         self._isolation_pending = isolation_check
         self.nonfinite_steps = 0  # optimizer steps skipped under nonfinite=skip
+        self._step_rows: list[int] = []  # source rows of the examples in the optimizer step under way (host-side)
 
     # ------------------------------------------------------------------------------------------------------------
     # Setup
@@ -133,6 +138,12 @@ class PackedCausalLM(LightningModule):
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
     def setup(self, stage: str) -> None:
+        strategy = type(self.trainer.strategy).__name__
+        if stage == "fit" and strategy not in TESTED_STRATEGIES:
+            raise ValueError(
+                f"trainer.strategy={strategy} is not supported: the loss normalisation is tested under "
+                f"{', '.join(TESTED_STRATEGIES)} (trainer.strategy: auto, ddp or fsdp)"
+            )
         device = self.trainer.strategy.root_device
         self.attn_backend = _backend_here(self.hparams.attn_backend, device)
         self._check_token_ids()
@@ -161,7 +172,10 @@ class PackedCausalLM(LightningModule):
         return batch
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._isolation_pending and CU_SEQ_LENS_Q in batch and batch[LABELS].shape[1] > 1:
+        self._step_rows.extend(batch.get(ROWS, ()))
+        # Every rank runs it on its first packed batch, an empty pack included: the same number of forwards on
+        # every rank (see `sample_packed`), so a sharded model's collectives stay matched and nothing hangs.
+        if self._isolation_pending and CU_SEQ_LENS_Q in batch:
             with self._forward_context():
                 diff = check_isolation(self.model, batch, self.attn_backend)
             log.info("isolation self-test passed: attn_backend=%s, max abs logit diff %.3g", self.attn_backend, diff)
@@ -181,43 +195,63 @@ class PackedCausalLM(LightningModule):
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         parts = causal_lm_loss(self(batch), batch, self.hparams.loss_normalization)
-        totals = torch.stack([parts.token_loss_sum.detach(), parts.label_tokens, parts.normalizer.detach()])
-        totals = totals.to(_accumulator_dtype(totals.device))
-        self._step_totals = totals if self._step_totals is None else self._step_totals + totals
-        # A sum: `on_before_optimizer_step` divides the gradients by the step's global normalizer.
-        return parts.objective / SUM_DIVISOR
+        normalizer = self._step_normalizer(batch, parts)
+        local = torch.stack([parts.token_loss_sum.detach(), parts.label_tokens.detach()])
+        local = local.to(_accumulator_dtype(local.device))
+        self._step_totals = local if self._step_totals is None else self._step_totals + local
+        # Lightning divides by accumulate_grad_batches and data parallelism averages over ranks: undo both, so
+        # the step's gradient is sum(objective) / normalizer over every micro-batch on every rank.
+        factor = self.trainer.world_size * self.trainer.accumulate_grad_batches
+        return parts.objective * (factor / normalizer)
+
+    def _step_normalizer(self, batch: Mapping[str, Any], parts) -> int | torch.Tensor:
+        """The optimizer step's global label tokens (or sequences): from the batch, else this micro-batch's."""
+        key = "label_tokens" if self.hparams.loss_normalization == "token" else "sequences"
+        if STEP in batch:
+            return max(batch[STEP][key], 1)
+        if self.trainer.world_size * self.trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"the batch has no '{STEP}' totals, so with world_size={self.trainer.world_size} and "
+                f"accumulate_grad_batches={self.trainer.accumulate_grad_batches} its loss cannot be normalised over "
+                "the optimizer step: use PackingDataModule's samplers, or give every micro-batch of a step "
+                "lit_packing.data.collate.attach_step(...)"
+            )
+        return parts.normalizer.detach().clamp_min(1)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Turn the summed gradients into the global mean: runs after the last micro-batch's backward, before
-        gradient clipping and the optimizer step (Lightning's `Precision._after_closure`)."""
-        if self._step_totals is None:
+        """Log `train/loss`, the step's per-token mean over all ranks: summed locally, reduced at logging steps only
+        (one all-reduce every `trainer.log_every_n_steps`, none in between)."""
+        totals, self._step_totals = self._step_totals, None
+        trainer = self.trainer
+        if totals is None:
             return
-        totals = self.trainer.strategy.reduce(self._step_totals, reduce_op="sum")  # one all-reduce per step
-        self._step_totals = None
         if not self._finite_step(totals[0]):
             return
-        # DDP averages gradients over ranks and Lightning divides each micro-batch loss by accumulate_grad_batches.
-        world, accumulate = self.trainer.world_size, self.trainer.accumulate_grad_batches
-        factor = world * accumulate * SUM_DIVISOR / totals[2].clamp_min(1)
-        scale_gradients(self.parameters(), factor)
+        if trainer.world_size > 1 and (trainer.global_step + 1) % trainer.log_every_n_steps and trainer.global_step:
+            return
+        totals = trainer.strategy.reduce(totals, reduce_op="sum")
         self.log("train/loss", totals[0] / totals[1].clamp_min(1), prog_bar=True, on_step=True, on_epoch=False)
 
     def _finite_step(self, loss_sum: torch.Tensor) -> bool:
         """Whether this optimizer step's loss and gradients are finite (one host sync); if not, raise a
         `TrainingError` (`nonfinite=error`) or drop every gradient so the optimizer skips the step (`skip`)."""
+        rows, self._step_rows = self._step_rows, []
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         # Under fp16 the GradScaler itself skips steps with inf gradients (and lowers its scale): check the loss only.
         check_grads = grads and str(self.trainer.precision) != "16-mixed"
         norms = torch._foreach_norm(grads) if check_grads else []
-        total = torch.stack([loss_sum.float(), *(n.float().to(loss_sum.device) for n in norms)]).sum()
+        local = torch.stack([loss_sum.float(), *(n.float().to(loss_sum.device) for n in norms)]).sum()
+        # One scalar all-reduce with several ranks, so that every rank takes the same decision (NaN + x = NaN).
+        total = self.trainer.strategy.reduce(local, reduce_op="sum") if self.trainer.world_size > 1 else local
         if torch.isfinite(total):
             return True
-        what = "loss" if not torch.isfinite(loss_sum) else "gradient"
+        what = "gradient" if torch.isfinite(loss_sum) else "loss"
         if self.hparams.nonfinite == "error":
             raise TrainingError(
-                f"non-finite {what} at optimizer step {self.global_step} (epoch {self.current_epoch}): lower model.lr "
-                f"(now {self.hparams.lr:g}), set trainer.gradient_clip_val, check the data of that step, or set "
-                f"model.nonfinite=skip to skip such steps (they are counted)"
+                f"non-finite {what} at optimizer step {self.global_step + 1} (epoch {self.current_epoch}; examples "
+                f"of that step: {self._name_rows(rows[:SAMPLE_ROWS])}): lower model.lr (now {self.hparams.lr:g}), set "
+                f"trainer.gradient_clip_val, check those examples, or set model.nonfinite=skip to skip such steps "
+                f"(they are counted)"
             )
         for p in self.parameters():
             p.grad = None  # AdamW leaves parameters without a gradient untouched
@@ -225,6 +259,13 @@ class PackedCausalLM(LightningModule):
         log.warning("skipped optimizer step %d: non-finite %s (model.nonfinite=skip)", self.global_step, what)
         self.log("train/nonfinite_steps", float(self.nonfinite_steps), on_step=True, on_epoch=False)
         return False
+
+    def _name_rows(self, rows: list[int]) -> str:
+        """The examples' rows as the user counts them (the data module knows the source), else their indices."""
+        name_rows = getattr(getattr(self.trainer, "datamodule", None), "name_rows", None)
+        if name_rows is not None:
+            return name_rows(rows)
+        return f"rows {', '.join(map(str, rows))}" if rows else "not recorded"
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -335,13 +376,6 @@ def _backend_here(backend: str, device: torch.device | str) -> str:
     except ValueError as error:
         usable = ", ".join(available_backends(device))
         raise ConfigError("model.attn_backend", str(error), f"on {device} these run: auto, {usable}") from None
-
-
-def scale_gradients(parameters, factor: torch.Tensor) -> None:
-    """Multiply every gradient by a 0-dim (device) tensor in one fused call: no host sync."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if grads:
-        torch._foreach_mul_(grads, factor.to(grads[0].device))
 
 
 def lr_schedule(kind: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):
