@@ -23,7 +23,7 @@ import importlib.metadata
 import json
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from itertools import islice
 from pathlib import Path
 from typing import Literal
@@ -356,15 +356,20 @@ def json_records(path: str) -> Iterator[tuple[int, object, str]]:
                 raise DataError(f"{path} is not valid JSON ({error}): fix it, or write one object per line") from None
             yield from ((number, item, "") for number, item in enumerate(items, 1))
             return
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                yield number, json.loads(line.decode("utf-8")), ""
-            except UnicodeDecodeError as error:
-                yield number, None, f"not valid UTF-8 (byte 0x{line[error.start]:02x} at column {error.start + 1})"
-            except json.JSONDecodeError as error:
-                yield number, None, f"not valid JSON ({error.msg} at column {error.colno})"
+        yield from parse_json_lines(lines)
+
+
+def parse_json_lines(lines: Iterable[bytes]) -> Iterator[tuple[int, object, str]]:
+    """`(line number, record, problem)` for each non-blank line (bytes, as read from a file opened in binary)."""
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line.decode("utf-8")), ""
+        except UnicodeDecodeError as error:
+            yield number, None, f"not valid UTF-8 (byte 0x{line[error.start]:02x} at column {error.start + 1})"
+        except json.JSONDecodeError as error:
+            yield number, None, f"not valid JSON ({error.msg} at column {error.colno})"
 
 
 def _is_json_array(path: str) -> bool:

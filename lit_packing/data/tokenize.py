@@ -328,7 +328,7 @@ def _tokenize_batch(
 
 def column(dataset: datasets.Dataset, name: str) -> np.ndarray:
     """One column as a numpy array, reading only that column (e.g. `length`, never the tokens)."""
-    return np.asarray(dataset.select_columns([name]).with_format("numpy")[:][name])
+    return np.asarray(dataset.with_format("arrow")[name])  # a pyarrow column (indices applied): ~1 ms
 
 
 def _samples(where: np.ndarray, rows: np.ndarray, details: np.ndarray | None = None) -> list[tuple[int, str]]:
