@@ -79,7 +79,9 @@ def test_model_settings_are_checked_before_the_model_loads(kwargs, message):
 def test_cli_stops_before_tokenizing_and_exits_2(tmp_path, capsys):
     cache = tmp_path / "cache"
     with pytest.raises(SystemExit) as exit_:
-        cli_main(["fit", "--data.sampler.init_args.max_tokens=0", f"--data.cache_dir={cache}", "--trainer.logger=0"])
+        cli_main(
+            ["fit", "--data.sampler.init_args.max_tokens=0", f"--data.cache_dir={cache}", "--trainer.logger=false"]
+        )
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: data.sampler.init_args.max_tokens: max_tokens must be >= 1, got 0"
