@@ -431,25 +431,21 @@ def _remove_stale_tmp(folder: Path) -> None:
 
 
 def _verify_cache(folder: Path, fingerprint: str) -> None:
-    """Delete this tokenization's cache files when they differ from their record (or are unreadable), so the map
-    rebuilds them; say so."""
+    """Delete this tokenization's cache files when they differ from their record, or have none (an older version
+    wrote them, or a run died before recording them), so the map rebuilds them; say so."""
     files, record_path = _cache_files(folder, fingerprint), _record_path(folder, fingerprint)
-    if not files or not record_path.exists():
+    if not files:
         return
     try:
         expected = json.loads(record_path.read_text())
     except (OSError, ValueError):
         expected = None
-    actual = {path.name: _file_record(path) for path in files}
-    if actual != expected:
-        log.warning(
-            "the tokenized cache %s does not match its size + checksum record %s (damaged or partly written): "
-            "rebuilding it",
-            [str(p) for p in files],
-            record_path,
-        )
-        for path in [*files, record_path]:
-            path.unlink(missing_ok=True)
+    if expected is not None and {path.name: _file_record(path) for path in files} == expected:
+        return
+    problem = "has no size + checksum record" if expected is None else "does not match its size + checksum record"
+    log.warning("the tokenized cache %s %s (%s): rebuilding it", [str(p) for p in files], problem, record_path)
+    for path in [*files, record_path]:
+        path.unlink(missing_ok=True)
 
 
 def _write_record(folder: Path, fingerprint: str) -> None:
@@ -517,16 +513,7 @@ def tokenize_dataset(
     if folder is not None:
         _remove_stale_tmp(folder)
         _verify_cache(folder, fingerprint)
-    try:
-        mapped = _map(dataset, tokenizer, shape, template, max_length, overlong, train_on, num_proc, rows, fingerprint)
-    except (OSError, ValueError) as error:  # an unrecorded cache file Arrow cannot read: rebuild it once
-        damaged = _cache_files(folder, fingerprint) if folder is not None else []
-        if not damaged or isinstance(error, DataError):
-            raise
-        log.warning("the tokenized cache %s cannot be read (%s): rebuilding it", [str(p) for p in damaged], error)
-        for path in damaged:
-            path.unlink(missing_ok=True)
-        mapped = _map(dataset, tokenizer, shape, template, max_length, overlong, train_on, num_proc, rows, fingerprint)
+    mapped = _map(dataset, tokenizer, shape, template, max_length, overlong, train_on, num_proc, rows, fingerprint)
     if folder is not None:
         _write_record(folder, fingerprint)
     report = _report(mapped)
