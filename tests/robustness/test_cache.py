@@ -1,4 +1,4 @@
-"""The tokenization cache: checked against its size + BLAKE2b record on every load, rebuilt when damaged, and
+"""The tokenization cache: checked against its size + XXH3-128 record on every load, rebuilt when damaged, and
 temporary files of killed runs removed. Real `datasets` caches on disk, real SmolLM2 tokenizer."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_the_cache_has_a_size_and_checksum_record_written_atomically(raw, smollm
     tokenized, _ = tokenize_dataset(raw, smollm2_tokenizer)
     path = cache_file(tokenized)
     record = json.loads(record_of(path).read_text())
-    assert record[path.name][0] == path.stat().st_size and len(record[path.name][1]) == 128  # BLAKE2b-512 hex
+    assert record[path.name][0] == path.stat().st_size and len(record[path.name][1]) == 32  # XXH3-128 hex
     assert not list(path.parent.glob("tmp*"))  # the record went through a temporary file and a rename
 
 
