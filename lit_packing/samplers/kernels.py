@@ -145,3 +145,45 @@ def next_fit(sizes: np.ndarray, capacity: int) -> np.ndarray:
         used += sizes[i]
     offsets[n_bins] = n
     return offsets[: n_bins + 1].copy()
+
+
+@numba.njit(cache=True)
+def balance_steps(costs: np.ndarray, ranks: int, per_rank: int) -> np.ndarray:
+    """Deal items sorted by decreasing cost to ranks, one optimizer step at a time, evening out each step's load.
+
+    Consecutive items form a step of ``ranks * per_rank`` (the last step takes what is left, ``ceil(left / ranks)``
+    per rank). Within a step, longest-processing-time first with a cardinality cap: each item goes to the least
+    loaded rank that still has a free micro-step, so a rank's items come out in decreasing cost and every
+    micro-step of the step is balanced too.
+
+    Args:
+        costs: (n,) float64, non-increasing.
+        ranks: number of ranks (world size).
+        per_rank: micro-steps per optimizer step (gradient accumulation).
+
+    Returns:
+        (micro_steps, ranks) int64 positions into ``costs``, -1 where a rank has nothing left in the last step.
+    """
+    n = costs.shape[0]
+    group = ranks * per_rank
+    tail = n % group
+    n_rows = (n // group) * per_rank + (tail + ranks - 1) // ranks
+    out = np.full((n_rows, ranks), -1, dtype=np.int64)
+    load = np.zeros(ranks, dtype=np.float64)
+    count = np.zeros(ranks, dtype=np.int64)
+    row0 = 0
+    for start in range(0, n, group):
+        stop = min(start + group, n)
+        rows = per_rank if stop - start == group else (stop - start + ranks - 1) // ranks
+        load[:] = 0.0
+        count[:] = 0
+        for i in range(start, stop):
+            best = -1
+            for r in range(ranks):
+                if count[r] < rows and (best < 0 or load[r] < load[best]):
+                    best = r
+            out[row0 + count[best], best] = i
+            count[best] += 1
+            load[best] += costs[i]
+        row0 += rows
+    return out
