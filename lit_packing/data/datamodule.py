@@ -99,6 +99,9 @@ class PackingDataModule(LightningDataModule):
             tokenization; ignored when the source has its own `validation` (or `test`) split.
         limit: keep only this many examples of each split (a seeded random choice), for quick runs.
         seed: seed of the split, of `limit` and of the samplers (passed as `seed=` where the factory takes one).
+            A factory that takes `cost_coefficients` (`MultipackSampler`) also gets the attached model's
+            `PackedCausalLM.cost_coefficients`, and the training sampler gets `trainer.accumulate_grad_batches` as
+            its `accumulate`.
         num_workers: DataLoader worker processes.
         sampler: builds the training batch sampler from the lengths, e.g. `BestFitPackingSampler` or in YAML
             `{class_path: lit_packing.samplers.BestFitPackingSampler, init_args: {max_tokens: 8192}}`.
@@ -216,6 +219,8 @@ class PackingDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self.train_sampler = self._build_sampler(self.sampler, self.train_lengths)
+        if self.trainer is not None and hasattr(self.train_sampler, "accumulate"):
+            self.train_sampler.accumulate = self.trainer.accumulate_grad_batches  # balancing samplers plan per step
         if self._sampler_state is not None:
             self.train_sampler.load_state_dict(self._sampler_state)
             self._sampler_state = None
@@ -294,6 +299,9 @@ class PackingDataModule(LightningDataModule):
     def _build_sampler(self, factory: Callable, lengths: np.ndarray, **kwargs: Any) -> Sampler:
         if _accepts(factory, "seed"):
             kwargs["seed"] = self.seed
+        model = self.trainer.lightning_module if self.trainer is not None else None
+        if _accepts(factory, "cost_coefficients") and hasattr(model, "cost_coefficients"):
+            kwargs["cost_coefficients"] = model.cost_coefficients  # balance ranks by this model's FLOPs
         return factory(lengths, **kwargs)
 
     def _loader(self, dataset: TokenizedDataset, sampler: Sampler, collator: Callable) -> DataLoader:
