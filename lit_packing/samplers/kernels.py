@@ -1,4 +1,4 @@
-"""Numba kernels for the packing samplers: counting sort, best-fit-decreasing and next-fit bin packing.
+"""Numba kernels for the packing samplers: counting sort, bin packing (best fit, next fit), dealing packs to ranks.
 
 The only module that imports numba. Every kernel is plain Python compiled with ``njit(cache=True)`` (compiled once
 per install, then loaded from ``__pycache__``); the uncompiled function stays reachable as ``kernel.py_func`` and the
