@@ -28,7 +28,7 @@ from lit_packing.assets import resolve_pretrained
 from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.data.sources import ChampChats, Source
 from lit_packing.data.tokenize import INDEX, TokenizationReport, TokenizedDataset, column, tokenize_dataset
-from lit_packing.samplers import BestFitPackingSampler
+from lit_packing.samplers import BestFitPackingSampler, PlannedBatchSampler
 
 VALIDATION_SPLITS = ("validation", "test")  # a source's own split used for validation, first found
 
@@ -227,13 +227,17 @@ class PackingDataModule(LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
+        dataset = self._require(self.train_dataset)
         self.train_sampler = self._build_sampler(self.sampler, self.train_lengths)
-        if self.trainer is not None and hasattr(self.train_sampler, "accumulate"):
-            self.train_sampler.accumulate = self.trainer.accumulate_grad_batches  # balancing samplers plan per step
+        if isinstance(self.train_sampler, PlannedBatchSampler):
+            # Every pack carries its optimizer step's label totals, so the loss needs no communication.
+            self.train_sampler.label_counter = dataset.count_labels
+            if self.trainer is not None:
+                self.train_sampler.accumulate = self.trainer.accumulate_grad_batches
         if self._sampler_state is not None:
             self.train_sampler.load_state_dict(self._sampler_state)
             self._sampler_state = None
-        return self._loader(self._require(self.train_dataset), self.train_sampler, self.collator)
+        return self._loader(dataset, self.train_sampler, self.collator)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
@@ -253,10 +257,15 @@ class PackingDataModule(LightningDataModule):
         return self.val_dataloader()
 
     def state_dict(self) -> dict[str, Any]:
-        """The training sampler's position (epoch, seed, batches yielded), for mid-epoch resume."""
-        if self.train_sampler is not None and hasattr(self.train_sampler, "state_dict"):
-            return {"train_sampler": self.train_sampler.state_dict()}
-        return {}
+        """The training sampler's position, saved in every checkpoint (Lightning calls this): the micro-batches of
+        the epoch that were TRAINED (Lightning's count, never what the DataLoader's workers prefetched), the
+        epoch, the seed, the layout (world size, accumulation) and the plan's identity."""
+        if self.train_sampler is None or not hasattr(self.train_sampler, "state_dict"):
+            return {}
+        if isinstance(self.train_sampler, PlannedBatchSampler) and self.trainer is not None:
+            trained = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            return {"train_sampler": self.train_sampler.state_dict(steps_done=trained)}
+        return {"train_sampler": self.train_sampler.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore `state_dict()`: applied to the training sampler now, or when `train_dataloader` builds it."""
