@@ -56,7 +56,7 @@ def straggler_factor(
     if not len(schedule):
         return 1.0
     costs = np.asarray(costs, dtype=np.float64)
-    work = np.where(schedule >= 0, costs[np.maximum(schedule, 0)] if len(costs) else 0.0, 0.0)  # (micro, ranks)
+    work = np.where(schedule >= 0, costs[np.maximum(schedule, 0)], 0.0)  # (micro_steps, ranks)
     per_step = np.add.reduceat(work, np.arange(0, len(work), accumulate), axis=0)  # (optimizer steps, ranks)
     mean = per_step.mean(axis=1).sum()
     return float(per_step.max(axis=1).sum() / mean) if mean > 0 else 1.0

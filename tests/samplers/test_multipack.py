@@ -81,6 +81,15 @@ def test_epoch_properties(case, world_size, accumulate, drop_last):
         assert again == per_rank  # deterministic per (seed, epoch)
 
 
+def test_packs_are_best_fits():
+    """The same packs as BestFitPackingSampler with the same seed: only the dealing differs."""
+    lengths = CASES["lognormal"]
+    for shuffle in (True, False):
+        multipack = make(lengths, seed=3, shuffle=shuffle).plan(1)
+        best_fit = BestFitPackingSampler(lengths, MAX_TOKENS, seed=3, shuffle=shuffle).plan(1)
+        assert multipack.packs() == best_fit.packs()
+
+
 def test_epochs_and_seeds_change_the_schedule_not_the_step_count():
     lengths = CASES["lognormal"]
     sampler = make(lengths, world_size=4, accumulate=2)
