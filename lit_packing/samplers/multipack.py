@@ -92,7 +92,7 @@ class MultipackSampler(PlannedBatchSampler):
         cost_coefficients: ``(a, b)`` FLOPs per token and per attended (query, key) pair, as
             ``lit_packing.callbacks.throughput.flop_coefficients`` computes them (the data module passes the
             attached model's ``PackedCausalLM.cost_coefficients``). None with ``balance="compute"``: SmolLM2-135M's
-            (``a = 8.07e8``, ``b = 2.07e5``), logged.
+            (``a = 8.07e8``, ``b = 2.07e5``), logged. Ignored with ``balance="tokens"``.
         seed, shuffle, drop_last, rank, world_size: see ``PlannedBatchSampler``.
     """
 
@@ -141,6 +141,8 @@ class MultipackSampler(PlannedBatchSampler):
         return _SeededPlan(items, offsets, self.lengths[items], self.max_tokens, int(rng.integers(2**63)))
 
     def _deal(self, plan: PackPlan, pack_ids: np.ndarray, world_size: int) -> np.ndarray:
+        """Packs sorted by cost, cut into optimizer steps, each balanced over the ranks (``kernels.balance_steps``),
+        then the whole steps shuffled; seeded by the plan, so every rank deals the same. See the class docstring."""
         if self.accumulate < 1:
             raise ValueError(f"accumulate={self.accumulate}: trainer.accumulate_grad_batches must be >= 1")
         rng = np.random.default_rng([plan.deal_seed, len(pack_ids), world_size])
