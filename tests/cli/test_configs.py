@@ -34,7 +34,7 @@ def tiny_overrides(tmp_path: Path) -> list[str]:
 
 def test_every_config_is_found():
     names = {c.stem for c in CONFIGS}
-    assert {"quickstart", "padding", "minibatch_packing", "bestfit_packing", "gpu"} <= names
+    assert {"quickstart", "padding", "minibatch_packing", "bestfit_packing", "gpu", "multipack"} <= names
     assert {"fixed_packing_position_ids", "fixed_packing_no_position_ids"} <= names
 
 

@@ -13,6 +13,7 @@ from lit_packing.samplers import (
     BestFitPackingSampler,
     FixedLengthPackingSampler,
     LengthGroupedSampler,
+    MultipackSampler,
     RandomBatchSampler,
     SequentialPackingSampler,
 )
@@ -23,6 +24,7 @@ FACTORIES = {
     "best_fit": lambda lengths, **kw: BestFitPackingSampler(lengths, max_tokens=128, **kw),
     "sequential": lambda lengths, **kw: SequentialPackingSampler(lengths, max_tokens=128, shuffle=True, **kw),
     "fixed": lambda lengths, **kw: FixedLengthPackingSampler(lengths, max_tokens=128, **kw),
+    "multipack": lambda lengths, **kw: MultipackSampler(lengths, max_tokens=128, cost_coefficients=(1.0, 1.0), **kw),
 }
 LENGTHS = np.clip(np.random.default_rng(5).lognormal(np.log(30), 1.0, 300), 1, 128).astype(np.int64)
 
