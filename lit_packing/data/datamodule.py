@@ -78,7 +78,7 @@ def split_rows(n: int, val_split: int | float, seed: int) -> tuple[np.ndarray, n
 
 
 def _init_args(factory: Callable) -> dict[str, Any]:
-    """The keyword arguments a factory (a `functools.partial`, as jsonargparse builds) passes on."""
+    """The keyword arguments a factory (a `functools.partial`, as jsonargparse builds from a config) passes on."""
     found: dict[str, Any] = {}
     while isinstance(factory, functools.partial):
         found = {**factory.keywords, **found}
@@ -131,6 +131,9 @@ class PackingDataModule(LightningDataModule):
             tokenization; ignored when the source has its own `validation` (or `test`) split.
         limit: keep only this many examples of each split (a seeded random choice), for quick runs.
         seed: seed of the split, of `limit` and of the samplers (passed as `seed=` where the factory takes one).
+            A factory that takes `cost_coefficients` (`MultipackSampler`) and was not given them in the config
+            gets the attached model's `PackedCausalLM.cost_coefficients`; the training sampler gets
+            `trainer.accumulate_grad_batches` as its `accumulate`.
         num_workers: DataLoader worker processes.
         sampler: builds the training batch sampler from the lengths, e.g. `BestFitPackingSampler` or in YAML
             `{class_path: lit_packing.samplers.BestFitPackingSampler, init_args: {max_tokens: 8192}}`.
@@ -402,6 +405,10 @@ class PackingDataModule(LightningDataModule):
     def _build_sampler(self, factory: Callable, lengths: np.ndarray, **kwargs: Any) -> Sampler:
         if _accepts(factory, "seed"):
             kwargs["seed"] = self.seed
+        model = self.trainer.lightning_module if self.trainer is not None else None
+        wanted = _accepts(factory, "cost_coefficients") and _init_args(factory).get("cost_coefficients") is None
+        if wanted and hasattr(model, "cost_coefficients"):
+            kwargs["cost_coefficients"] = model.cost_coefficients  # balance ranks by this model's FLOPs
         return factory(lengths, **kwargs)
 
     def _loader(self, dataset: TokenizedDataset, sampler: Sampler, collator: Callable) -> DataLoader:

@@ -29,6 +29,7 @@ import torchmetrics
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_packing.callbacks.throughput import flop_coefficients, model_shape
 from lit_packing.data.collate import (
     ATTENTION_MASK,
     CU_SEQ_LENS_K,
@@ -136,6 +137,12 @@ class PackedCausalLM(LightningModule):
     def hf_model(self):
         """The underlying transformers model (unwrapping peft)."""
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    @property
+    def cost_coefficients(self) -> tuple[float, float]:
+        """Training FLOPs per token and per attended (query, key) pair of this model (`flop_coefficients`): an
+        example of L tokens costs `a * L + b * L^2`. The data module hands them to `MultipackSampler`."""
+        return flop_coefficients(model_shape(self.model))
 
     def setup(self, stage: str) -> None:
         strategy = type(self.trainer.strategy).__name__

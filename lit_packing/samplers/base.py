@@ -138,8 +138,10 @@ class PlannedBatchSampler(Sampler[list]):
         # giving the trained tokens of each item, which makes every pack carry its optimizer step's totals.
         self.accumulate = 1
         self.label_counter: Callable[[list], list[int]] | None = None
-        self._yielded = 0  # batches of the current epoch handed out, or trained before a resume
-        self._resume = False  # True after load_state_dict: the next __iter__ starts at self._yielded
+        self._yielded = 0  # batches of the current epoch handed out (the position when no trainer reports one)
+        # After load_state_dict: where passes over this epoch start, until one pass completes. Kept across several
+        # iter() calls, because a DataLoader may start (and prefetch from) an iterator it then throws away.
+        self._resume_at: int | None = None
         # After a resume onto another world size / accumulation: (steps trained before, pack ids still to train).
         self._elastic: tuple[int, np.ndarray] | None = None
         self._plans: OrderedDict[tuple[int, int], PackPlan] = OrderedDict()
@@ -211,7 +213,7 @@ class PlannedBatchSampler(Sampler[list]):
         if epoch != self.epoch:
             self.epoch = epoch
             self._yielded = 0
-            self._resume = False
+            self._resume_at = None
             self._elastic = None
 
     @property
@@ -223,10 +225,9 @@ class PlannedBatchSampler(Sampler[list]):
         return self._offset + len(self.schedule())
 
     def __iter__(self) -> Iterator[list]:
-        # Not a generator function: the resume point is consumed (and the count reset) when iter() is called.
         plan, schedule = self.plan(), self.schedule()
-        start = self._yielded if self._resume else self._offset
-        self._yielded, self._resume = start, False
+        start = self._resume_at if self._resume_at is not None else self._offset
+        self._yielded = start
         return self._batches(plan, schedule, start)
 
     def _batches(self, plan: PackPlan, schedule: np.ndarray, start: int) -> Iterator[list]:
@@ -237,6 +238,7 @@ class PlannedBatchSampler(Sampler[list]):
                 step = self._step_totals(plan, schedule, absolute, offset, accumulate)
             self._yielded = absolute + 1  # counted before the yield: a state_dict taken now includes this batch
             yield Pack(plan.pack(int(schedule[absolute - offset, self.rank])), step=step)
+        self._resume_at = None  # a whole pass is done: the next one is a whole epoch
 
     def _step_totals(
         self, plan: PackPlan, schedule: np.ndarray, absolute: int, offset: int, accumulate: int
@@ -314,7 +316,7 @@ class PlannedBatchSampler(Sampler[list]):
             self._elastic = (int(elastic[0]), np.asarray(elastic[1], dtype=np.int64))
         if (int(state["world_size"]), int(state["accumulate"])) != (self.world_size, self.accumulate):
             self._elastic = self._remaining_after(steps, int(state["world_size"]), int(state["accumulate"]))
-        self._yielded, self._resume = steps, True
+        self._yielded = self._resume_at = steps
 
     def _remaining_after(self, steps: int, world_size: int, accumulate: int) -> tuple[int, np.ndarray]:
         """``(steps, pack ids not yet trained)`` after ``steps`` micro-batches of the saved layout, in its order."""

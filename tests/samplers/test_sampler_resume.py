@@ -13,6 +13,7 @@ from lit_packing.samplers import (
     BestFitPackingSampler,
     FixedLengthPackingSampler,
     LengthGroupedSampler,
+    MultipackSampler,
     RandomBatchSampler,
     SequentialPackingSampler,
 )
@@ -23,6 +24,7 @@ FACTORIES = {
     "best_fit": lambda lengths, **kw: BestFitPackingSampler(lengths, max_tokens=128, **kw),
     "sequential": lambda lengths, **kw: SequentialPackingSampler(lengths, max_tokens=128, shuffle=True, **kw),
     "fixed": lambda lengths, **kw: FixedLengthPackingSampler(lengths, max_tokens=128, **kw),
+    "multipack": lambda lengths, **kw: MultipackSampler(lengths, max_tokens=128, cost_coefficients=(1.0, 1.0), **kw),
 }
 LENGTHS = np.clip(np.random.default_rng(5).lognormal(np.log(30), 1.0, 300), 1, 128).astype(np.int64)
 
@@ -153,3 +155,15 @@ def test_every_pack_carries_its_optimizer_steps_global_totals(name):
         tokens = sum(_tokens(item) for p in group for item in p)
         for r in range(world):
             assert per_rank[r][step].step == {"label_tokens": tokens, "sequences": sum(len(p) for p in group)}
+
+
+def test_resume_point_survives_an_abandoned_iterator():
+    """A DataLoader may start an iterator, prefetch from it and throw it away (persistent workers reset): the
+    resume point holds until a pass completes."""
+    sampler = BestFitPackingSampler(LENGTHS, max_tokens=128)
+    full = list(sampler)
+    sampler.load_state_dict(sampler.state_dict(steps_done=5))
+    abandoned = iter(sampler)
+    next(abandoned), next(abandoned)
+    assert list(sampler) == full[5:]
+    assert list(sampler) == full
