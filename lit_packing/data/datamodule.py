@@ -328,8 +328,10 @@ class PackingDataModule(LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         """`python main.py test`: the held-out examples, i.e. the validation split (no third split is kept)."""
         if self.val_dataset is None:
-            raise ValueError(
-                "no held-out examples to test on: set data.val_split > 0 (or use a source with a validation split)"
+            raise ConfigError(
+                "data.val_split",
+                "no held-out examples to test on",
+                "set it > 0 (or use a source with a validation split)",
             )
         return self.val_dataloader()
 
@@ -370,9 +372,10 @@ class PackingDataModule(LightningDataModule):
         if not isinstance(loaded, datasets.DatasetDict):
             return {"train": loaded}
         if "train" not in loaded:
-            raise ValueError(
-                f"{self.source!r} has splits {sorted(loaded)} but no 'train': choose one with the source's split "
-                f"option (data.source.init_args.split)"
+            raise ConfigError(
+                "data.source.init_args.split",
+                f"{self.source!r} has splits {sorted(loaded)} but no 'train'",
+                "choose one",
             )
         parts = {"train": loaded["train"]}
         for name in VALIDATION_SPLITS:

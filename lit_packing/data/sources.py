@@ -32,7 +32,7 @@ import datasets
 from datasets import Features, List, Value
 
 from lit_packing.assets import package_file
-from lit_packing.errors import DataError
+from lit_packing.errors import ConfigError, DataError
 
 CHAT = "chat"
 PROMPT_COMPLETION = "prompt_completion"
@@ -488,8 +488,10 @@ class HFDataset(Source):
             return saved[self.split] if self.split else saved
         if local.is_file():
             if local.suffix not in _FILE_BUILDERS:
-                raise ValueError(
-                    f"HFDataset path={self.path!r}: unknown file type, use one of {sorted(_FILE_BUILDERS)}"
+                raise ConfigError(
+                    "data.source.init_args.path",
+                    f"{self.path!r} is of an unknown file type",
+                    f"use {sorted(_FILE_BUILDERS)}",
                 )
             return datasets.load_dataset(
                 _FILE_BUILDERS[local.suffix], data_files=str(local), split=self.split, cache_dir=cache_dir

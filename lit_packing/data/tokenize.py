@@ -253,11 +253,13 @@ class _Encoder:
                 continue
             before, upto = self._render(messages[:i], add_generation_prompt=True), self._render(messages[: i + 1])
             if not (upto.startswith(before) and full.startswith(upto)):
-                raise ValueError(
+                raise ConfigError(
+                    "data.tokenizer",
                     f"example {index}: the chat template is not prefix-consistent (rendering the first {i + 1} "
                     f"messages is not the start of rendering them all; the template rewrites earlier turns), so "
-                    f"assistant turns cannot be located: set data.train_on=all, or use a tokenizer whose "
-                    f"chat_template renders each turn the same whatever follows"
+                    f"assistant turns cannot be located",
+                    "set data.train_on=all, or use a tokenizer whose chat_template renders each turn the same "
+                    "whatever follows",
                 )
             start, end = len(before), len(upto)
             content = (message["content"] or "").strip()

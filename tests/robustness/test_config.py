@@ -96,6 +96,12 @@ def test_a_linked_value_that_overwrites_the_users_says_so(tiny_llama_config, cap
     assert "model.model_config.vocab_size=100 is replaced by the tokenizer's size 49152" in caplog.text
 
 
+def test_a_model_that_cannot_isolate_packed_examples_names_the_setting():
+    bloom = dict(model_type="bloom", vocab_size=1000, hidden_size=64, n_layer=2, n_head=4)
+    with pytest.raises(ConfigError, match=r"^model.model: BloomForCausalLM \(bloom\) does not route attention"):
+        PackedCausalLM(model_config=bloom)
+
+
 def test_tokenizer_without_eos_for_text_names_the_setting(gpt2_tokenizer):
     no_eos = copy.deepcopy(gpt2_tokenizer)
     no_eos.eos_token = None
