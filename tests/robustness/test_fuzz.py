@@ -172,7 +172,7 @@ def encoders(smollm2_tokenizer):
             for shape in (CHAT, PROMPT_COMPLETION, TEXT)}  # fmt: skip
 
 
-@pytest.mark.slow  # about 45 s for 2,000 lists on 2 cores (FUZZ_LISTS=... to change)
+@pytest.mark.slow  # about 25 s for 2,000 lists on 2 cores (FUZZ_LISTS=... to change)
 def test_malformed_example_lists_raise_with_rows_or_pack_intact_tokens(smollm2_tokenizer, encoders):
     rng = np.random.default_rng(2024)
     outcomes = {"bad rows": 0, "overlong": 0, "nothing left": 0, "trained": 0}
