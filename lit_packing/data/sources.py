@@ -104,12 +104,19 @@ def _chat_problem(messages: object) -> str:
     return ""
 
 
+_JSON_KINDS = {
+    bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object",
+}  # fmt: skip
+
+
 def _kind(value: object) -> str:
+    """A JSON value as a message names it: `null (or missing)`, `an empty list`, `a number (5)`."""
     if value is None:
         return "null (or missing)"
+    kind = _JSON_KINDS.get(type(value), f"a {type(value).__name__}")
     if isinstance(value, (list, dict, str)) and not value:
-        return f"an empty {type(value).__name__}"
-    return f"a {type(value).__name__} ({json.dumps(value, default=str)[:40]})"
+        return f"an empty {kind.split()[-1]}"
+    return f"{kind} ({json.dumps(value, default=str)[:40]})"
 
 
 def _hash(*parts: object) -> str:

@@ -39,8 +39,8 @@ def load_and_tokenize(path: str, tokenizer, cache, **kwargs):
 
 CHAT_ROWS = {
     "messages null": ({"messages": None}, "messages is null (or missing)"),
-    "messages a number": ({"messages": 5}, "messages is a int (5)"),
-    "messages a string": ({"messages": "hello"}, 'messages is a str ("hello")'),
+    "messages a number": ({"messages": 5}, "messages is a number (5)"),
+    "messages a string": ({"messages": "hello"}, 'messages is a string ("hello")'),
     "messages nested": ({"messages": [HI]}, "messages[0] is a list"),
     "messages missing": ({"id": 3}, "messages is null (or missing)"),
     "unknown role": ({"messages": [{"role": "bot", "content": "x"}, *HI]}, "messages[0] has role 'bot'"),
