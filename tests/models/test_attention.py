@@ -99,6 +99,41 @@ EXTRA_FAMILIES = {
         sliding_window=4,
         attn_logit_softcapping=5.0,
     ),
+    # q/k norms, explicit head_dim
+    "qwen3": dict(
+        model_type="qwen3",
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),
+    # scaled embeddings, GeGLU, multi-query attention
+    "gemma": dict(
+        model_type="gemma",
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+    ),
+    # fused qkv / gate-up projections
+    "phi3": dict(
+        model_type="phi3",
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # learned absolute positions
     "gpt2": dict(
         model_type="gpt2",
