@@ -103,7 +103,7 @@ def attach_step(batches: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _host_entries(examples: list[dict[str, Any]]) -> dict[str, Any]:
-    """`rows` of the examples that carry their source row, and the optimizer step's totals of a `Pack`."""
+    """`rows` of the examples that know their source row, and the optimizer step's totals of a `Pack`."""
     host: dict[str, Any] = {ROWS: [int(ex[INDEX]) for ex in examples if INDEX in ex]}
     step = getattr(examples, "step", None)
     if step is not None:

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from lit_packing.models.attention import last_kernel_dtype, reset_kernel_dtype
+
 # Allowed max |packed - per-example| of the logits, relative to max(1, max |logits|), by compute dtype. Packed and
 # per-example fp32 agree to ~1e-6 (different kernels, same math); examples that see each other differ by far more.
 ISOLATION_RTOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
@@ -145,7 +147,8 @@ def check_isolation(
         batch: a packed batch on the model's device; its first examples are used (see `sample_packed`).
         backend: the backend name, for the error message.
         reference: transformers attention for the per-example forward (default sdpa, eager where sdpa is missing).
-        rtol: allowed max abs difference relative to max(1, max |logits|); default by dtype (ISOLATION_RTOL).
+        rtol: allowed max abs difference relative to max(1, max |logits|); default by the dtype the packed forward
+            computed in (ISOLATION_RTOL): the autocast / parameter dtype, or the attention kernel's where lower.
 
     Returns:
         The max abs difference of the logits.
@@ -161,7 +164,9 @@ def check_isolation(
     was_training = model.training
     model.eval()
     try:
+        reset_kernel_dtype()
         packed = model(**small, use_cache=False).logits[0].float()  # (T, V)
+        kernel_dtype = last_kernel_dtype()
         with attn_implementation_set(base, reference):
             alone = []
             for start, end in zip(cu[:-1], cu[1:]):
@@ -174,6 +179,8 @@ def check_isolation(
     diff = float((packed - per_example).abs().max())
     scale = max(1.0, float(per_example.abs().max()))
     dtype = _compute_dtype(model)
+    if kernel_dtype is not None and torch.finfo(kernel_dtype).eps > torch.finfo(dtype).eps:
+        dtype = kernel_dtype  # the attention kernel ran below the model's precision: judge by what it ran in
     tol = (rtol if rtol is not None else ISOLATION_RTOL.get(dtype, 5e-2)) * scale
     if not diff <= tol:  # also catches nan
         raise IsolationError(

@@ -135,7 +135,7 @@ class PlannedBatchSampler(Sampler[list]):
         self._world_size = world_size
         self.epoch = 0
         # Set by the data module: micro-batches per optimizer step (trainer.accumulate_grad_batches), and a function
-        # giving the trained tokens of each item, which makes every pack carry its optimizer step's totals.
+        # giving the trained tokens of each item, with which every pack holds its optimizer step's totals.
         self.accumulate = 1
         self.label_counter: Callable[[list], list[int]] | None = None
         self._yielded = 0  # batches of the current epoch handed out (the position when no trainer reports one)

@@ -1,6 +1,6 @@
 """Exact resume through the real CLI: kill -9 mid-epoch with DataLoader workers, then `--ckpt_path`, trains the
 same batches in the same order and ends with the same weights as a run left alone; a 2-node launch (torchrun on
-loopback) resumed on one process trains every example of the epoch exactly once."""
+loopback, multipack) resumed on one process trains every example of the epoch exactly once."""
 
 from __future__ import annotations
 
@@ -65,7 +65,6 @@ def fit_args(tmp_path: Path, name: str, config: str = "configs/quickstart.yaml",
         "--data.val_split=8",
         "--data.max_length=256",
         "--data.num_workers=2",
-        "--data.sampler=lit_packing.samplers.BestFitPackingSampler",
         "--data.sampler.init_args.max_tokens=384",
         f"--data.cache_dir={tmp_path / 'cache'}",
         "--trainer.accelerator=cpu",

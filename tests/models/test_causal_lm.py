@@ -469,3 +469,29 @@ def test_real_smollm2_packed_equals_per_example(smollm2_tokenizer):
     examples = [{"input_ids": ids, "labels": ids} for ids in smollm2_tokenizer(chats)["input_ids"]]
     diff = check_isolation(lm.model, PackedCollator()(examples), lm.attn_backend)
     assert lm.attn_backend == "cpu_varlen" and diff < 1e-3
+
+
+@pytest.mark.cuda
+def test_fsdp_step_gives_the_global_token_mean(tiny_llama_config):
+    """Lightning's FSDP needs a GPU: one GPU, 2 micro-batches; the sharded step's gradient norm and loss equal the
+    per-example reference (FSDP reduces gradients like DDP, so the same normalisation holds on more GPUs)."""
+    examples = make_examples(LENGTHS)
+    batches = attach_step([PackedCollator()(c) for c in chunks(examples, [3, 5])])
+
+    class Recording(PackedCausalLM):
+        def on_before_optimizer_step(self, optimizer):
+            super().on_before_optimizer_step(optimizer)
+            local = sum(p.grad.double().pow(2).sum() for p in self.parameters() if p.grad is not None)
+            self.norm = self.trainer.strategy.reduce(local, reduce_op="sum").sqrt().item()
+
+    torch.manual_seed(0)
+    lm = Recording(model_config=tiny_llama_config, lr=0.0)
+    trainer = Trainer(
+        accelerator="gpu", devices=1, strategy="fsdp", max_steps=1, accumulate_grad_batches=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(lm, DataLoader(batches, batch_size=None, collate_fn=lambda b: b))
+    ref_grads, ref_loss = reference(tiny_llama_config, examples)
+    ref_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in ref_grads.values()]))
+    assert lm.norm == pytest.approx(float(ref_norm), rel=1e-3)
+    assert float(trainer.callback_metrics["train/loss"]) == pytest.approx(float(ref_loss), rel=1e-4)
