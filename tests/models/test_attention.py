@@ -275,3 +275,11 @@ def test_gpu_model_packed_matches_fp32_per_example(tiny_llama_config, backend):
             out = model(**inputs, use_cache=False).logits[0]
     base_err = (base.float() - ref).abs().max().item()
     assert (out.float() - ref).abs().max().item() <= 2 * base_err + 1e-4
+
+
+def test_flash_attn_on_a_cpu_names_backends_that_work_here():
+    from lit_packing.models.attention import resolve_backend
+
+    with pytest.raises(ValueError, match=r"model\.attn_backend=auto .*cpu_varlen") as error:
+        resolve_backend("flash_attn", "cpu")
+    assert "pip install" not in str(error.value)  # installing cannot help without a GPU
