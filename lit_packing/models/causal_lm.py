@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -250,7 +251,18 @@ class PackedCausalLM(LightningModule):
                 tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained(self.hparams.model, with_model=False))
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
+        _apply_umask(path)
         rank_zero_info(f"exported the model{' and tokenizer' if tokenizer is not None else ''} to {path}")
+
+
+def _apply_umask(folder: str) -> None:
+    """Give every file in `folder` the mode a plain `open()` would (transformers writes weights through a private
+    temporary file, mode 0600, so that others who can read the folder could not read `model.safetensors`)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for entry in os.scandir(folder):
+        if entry.is_file():
+            os.chmod(entry.path, 0o666 & ~umask)
 
 
 def scale_gradients(parameters, factor: torch.Tensor) -> None:
