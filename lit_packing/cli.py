@@ -16,6 +16,8 @@ import os
 import sys
 import warnings
 
+import datasets
+import transformers
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger
@@ -73,6 +75,10 @@ def quiet_defaults() -> None:
     os.environ.setdefault("WANDB_SILENT", "true")  # W&B's banner; `wandb sync` is printed in our README and config
     if not sys.stdout.isatty():
         os.environ.setdefault("NO_COLOR", "1")  # rich and W&B honour it
+        # Carriage-return bars (weight loading, tokenization) are one garbled line in a log; our own lines announce
+        # the slow steps instead.
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
 
 
 class LogConfigCallback(SaveConfigCallback):
@@ -88,7 +94,8 @@ class LogConfigCallback(SaveConfigCallback):
         if trainer.is_global_zero:
             run_dir = next((lg.log_dir for lg in trainer.loggers if isinstance(lg, CSVLogger)), trainer.log_dir)
             os.makedirs(run_dir, exist_ok=True)
-            self.parser.save(self.config, os.path.join(run_dir, self.config_filename), skip_none=False, overwrite=True)
+            path = os.path.join(run_dir, self.config_filename)
+            self.parser.save(self.config, path, skip_none=False, overwrite=True, multifile=self.multifile)
             config = self.config.clone()
             config.pop("config", None)  # the paths of the --config files, not settings
             for logger in trainer.loggers:

@@ -79,7 +79,7 @@ class TokenThroughputMonitor(pl.Callback):
     the device's peak is known (Lightning's table of chips), `peak_memory_gb`. Rates are totals over all ranks;
     with several ranks `effective_tokens_per_sec_per_rank` is their mean per rank, and the counts are summed over
     ranks (one all-reduce) only at logging steps (`trainer.log_every_n_steps`) and at the end, so no step waits
-    for a device sync. At the end of `fit` a summary table is printed, labelled per rank / all ranks.
+    for a device sync. When training ends a summary table is printed, labelled per rank / all ranks.
 
     Args:
         window: number of steps the rates are averaged over.
@@ -153,7 +153,9 @@ class TokenThroughputMonitor(pl.Callback):
         metrics["peak_memory_gb"] = peak_memory_gb(pl_module.device)
         return metrics
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Here, not in `on_fit_end`: that runs after the strategy's teardown (model on CPU), too late for a
+        # collective on the device.
         if not self.summary or not self.totals:
             return
         table = self.summary_table(trainer, pl_module)  # every rank takes part in the sum
