@@ -32,7 +32,7 @@ from lit_packing.models import PackedCausalLM
 # W&B offline (sync later with `wandb sync runs/wandb/offline-run-*`) plus a CSV file; both under runs/.
 DEFAULT_LOGGERS = [
     {
-        "class_path": "lit_packing.loggers.WandbLogger",
+        "class_path": "lit_packing.loggers.LazyWandbLogger",
         "init_args": {"project": "lit_packing", "save_dir": "runs", "offline": True},
     },
     {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs", "name": "lit_packing"}},

@@ -1,6 +1,6 @@
-"""Loggers as the CLI's defaults use them: `lit_packing.loggers.WandbLogger` starts its run with training.
+"""Loggers as the CLI's defaults use them: `LazyWandbLogger` starts its W&B run with training.
 
-WandbLogger(project="lit_packing", save_dir="runs", offline=True)   # no runs/wandb/ folder until step 1
+LazyWandbLogger(project="lit_packing", save_dir="runs", offline=True)   # no runs/wandb/ folder until step 1
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from lightning.pytorch.loggers import WandbLogger as _LightningWandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 
-class WandbLogger(_LightningWandbLogger):
+class LazyWandbLogger(_LightningWandbLogger):
     """Lightning's `WandbLogger` (same arguments) that creates the W&B run at the first logged metrics.
+
+    A name of its own, so that `--trainer.logger=WandbLogger` still means Lightning's, unambiguously.
 
     Lightning touches `experiment` and logs hyperparameters before the first step, which creates a run folder
     even for a fit that then fails in its data or model set-up; here, until the first metrics, `experiment` is a

@@ -46,7 +46,7 @@ def test_quickstart_run_prints_steps_validates_at_the_end_and_keeps_one_checkpoi
     run_dir = tmp_path / "runs" / "quickstart" / "version_0"
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["trainer"]["max_steps"] == 4
-    hparams = yaml.safe_load((run_dir / "hparams.yaml").read_text())
+    hparams = yaml.full_load((run_dir / "hparams.yaml").read_text())  # the model hparams hold a tuple
     assert hparams["data"]["val_split"] == 0.02  # nested keys, not one JSON string
     assert len(list((tmp_path / "runs" / "wandb").glob("offline-run-*"))) == 1
 
