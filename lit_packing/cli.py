@@ -57,6 +57,18 @@ class _DropMessages(logging.Filter):
         return not str(record.msg).startswith(QUIET_LOG_MESSAGES)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A handler writing to whatever `sys.stderr` is when a record comes (pytest and notebooks replace it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        """The stream is always the current `sys.stderr`."""
+
+
 def quiet_defaults() -> None:
     """Filter third-party tips and known-harmless warnings; show lit_packing's own INFO lines (e.g. the one-time
     model conversion, which takes ~30 s); no colour codes when output is not a terminal."""
@@ -67,7 +79,7 @@ def quiet_defaults() -> None:
         rank_zero.addFilter(_DropMessages())
     ours = logging.getLogger("lit_packing")
     if not ours.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         ours.addHandler(handler)
         ours.setLevel(logging.INFO)

@@ -17,7 +17,9 @@ from lightning.pytorch.utilities import rank_zero_only
 class LazyWandbLogger(_LightningWandbLogger):
     """Lightning's `WandbLogger` (same arguments) that creates the W&B run at the first logged metrics.
 
-    A name of its own, so that `--trainer.logger=WandbLogger` still means Lightning's, unambiguously.
+    A name of its own, so that `--trainer.logger=WandbLogger` still means Lightning's, unambiguously. The run is
+    finished when the trainer finalizes its loggers, so a second fit in the same process (tests, notebooks) gets
+    its own run instead of writing into the first one.
 
     Lightning touches `experiment` and logs hyperparameters before the first step, which creates a run folder
     even for a fit that then fails in its data or model set-up; here, until the first metrics, `experiment` is a
@@ -52,3 +54,11 @@ class LazyWandbLogger(_LightningWandbLogger):
         for params in pending:
             super().log_hyperparams(params)  # creates the run
         super().log_metrics(metrics, step)
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        super().finalize(status)
+        if self._experiment is not None and hasattr(self._experiment, "finish"):
+            self._id = self._experiment.id  # a later stage of the same trainer resumes this run
+            self._experiment.finish()
+            self._experiment = None

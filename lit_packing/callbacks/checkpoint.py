@@ -44,5 +44,6 @@ class LastCheckpoint(ModelCheckpoint):
 
 
 def _frozen_keys(pl_module: pl.LightningModule) -> set[str]:
-    """State-dict keys of parameters that do not train (a LoRA base model)."""
-    return {name for name, param in pl_module.named_parameters() if not param.requires_grad}
+    """State-dict keys of parameters that do not train (a LoRA base model), tied ones under each of their names."""
+    named = pl_module.named_parameters(remove_duplicate=False)
+    return {name for name, param in named if not param.requires_grad}
