@@ -18,7 +18,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 
 class LastCheckpoint(ModelCheckpoint):
-    """`ModelCheckpoint(save_top_k=0, save_last=True)` writing `last.ckpt` over itself, frozen weights left out.
+    """`ModelCheckpoint` keeping one file, `last.ckpt`, rewritten at every save, frozen weights left out.
+
+    Saves where Lightning's default does (after each validation, else at the end of each epoch). It is
+    `save_top_k=1` without a monitor under the name `last`, not `save_last=True`: Lightning 2.6 writes the
+    `save_last` file only when a top-k checkpoint was written at the same step, so `save_top_k=0` would save only
+    at the end of an epoch, and a run stopped mid-way would leave nothing to resume from.
 
     Args:
         dirpath: where `last.ckpt` goes; None: `<trainer.default_root_dir>/checkpoints`.
@@ -26,7 +31,7 @@ class LastCheckpoint(ModelCheckpoint):
     """
 
     def __init__(self, dirpath: str | None = None, **kwargs: Any) -> None:
-        kwargs = {"save_top_k": 0, "save_last": True, "enable_version_counter": False, **kwargs}
+        kwargs = {"filename": "last", "save_top_k": 1, "monitor": None, "enable_version_counter": False, **kwargs}
         super().__init__(dirpath=dirpath, **kwargs)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from lightning.pytorch import Trainer
 
 from lit_packing.callbacks.progress import ProgressLog, StepProgressBar, progress_callback
 from lit_packing.cli import cli_main
@@ -26,6 +27,13 @@ def fit(*extra: str):
 
 def test_quickstart_run_prints_steps_validates_at_the_end_and_keeps_one_checkpoint(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    saves, save = [], Trainer.save_checkpoint
+
+    def recording_save(trainer, path, *args, **kwargs):
+        saves.append((path, trainer.global_step))
+        return save(trainer, path, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "save_checkpoint", recording_save)
     cli = fit("--trainer.max_steps=4")  # the quickstart's val_check_interval 0.5: steps 2 and 4
     out = capsys.readouterr().out
     assert isinstance(cli.trainer.progress_bar_callback, ProgressLog)  # pytest's stdout is not a terminal
@@ -43,6 +51,7 @@ def test_quickstart_run_prints_steps_validates_at_the_end_and_keeps_one_checkpoi
     assert tok_s == pytest.approx(monitor.totals["real_tokens"] / monitor.train_seconds, rel=1e-3)
 
     assert sorted(p.name for p in (tmp_path / "runs" / "checkpoints").iterdir()) == ["last.ckpt"]
+    assert saves == [("runs/checkpoints/last.ckpt", 2), ("runs/checkpoints/last.ckpt", 4)]  # resumable mid-run
     run_dir = tmp_path / "runs" / "quickstart" / "version_0"
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["trainer"]["max_steps"] == 4
