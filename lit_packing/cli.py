@@ -19,6 +19,7 @@ import warnings
 import datasets
 import transformers
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger
 
@@ -127,13 +128,15 @@ class PackingCLI(LightningCLI):
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
-        """Add the progress display and the checkpoint policy unless the config turns them off."""
+        """Add the progress display and the checkpoint policy, unless the config turns them off or brings its own
+        `ModelCheckpoint`."""
         trainer_config = self._get(self.config_init, "trainer", default={})
         configured = trainer_config.get("callbacks") or []
         callbacks = list(configured) if isinstance(configured, list) else [configured]
         if trainer_config.get("enable_progress_bar", True) is not False:
             callbacks.append(progress_callback())
-        if trainer_config.get("enable_checkpointing", True) is not False:
+        chose_checkpoints = any(isinstance(cb, ModelCheckpoint) for cb in callbacks)  # e.g. configs/multinode.yaml
+        if trainer_config.get("enable_checkpointing", True) is not False and not chose_checkpoints:
             callbacks.append(LastCheckpoint())
         return super().instantiate_trainer(**kwargs, callbacks=callbacks)
 

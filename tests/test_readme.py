@@ -6,8 +6,9 @@ checkpoint an earlier `fit` wrote):
 - `python main.py ...`: run in-process through `cli_main` with the command's own arguments, then a tiny random
   model of SmolLM2's shape and a short run appended (`--trainer.max_steps=2 --data.limit=64`). The own-data example
   runs with only the tiny model appended, on a 30-chat file, so its validation split and cadence are the ones the
-  README shows. Commands that need a GPU or the Hub (`configs/gpu.yaml`, a Hub model name) are checked for parse
-  errors only (`--print_config`): this suite runs on CPU without network.
+  README shows. Commands that need a GPU or the Hub (`configs/gpu.yaml`, a Hub model name) and the `main.py`
+  command inside a multi-node launcher (`torchrun`, `srun`) are checked for parse errors only (`--print_config`):
+  this suite runs on CPU without network.
 - `python -m lit_packing.inspect ...`: run as written.
 - `python benchmarks/*.py ...`: `--help`, and every option the README passes must be one the script accepts.
 - `bash benchmarks/*.sh`: `bash -n` (syntax; the script needs a GPU). `make <target>`: `make -n` (the target exists;
@@ -36,6 +37,7 @@ TINY = {
     "max_position_embeddings": 8192, "tie_word_embeddings": True,
 }  # fmt: skip
 SHORT = ["--trainer.max_steps=2", "--data.limit=64"]
+LAUNCHERS = ("torchrun", "srun")  # multi-node launchers: need the GPUs and nodes they name
 NOT_RUN = {
     "wandb login": "needs a W&B account and the network",
     "wandb sync": "uploads a run: needs the network",
@@ -117,6 +119,11 @@ def test_readme_command_runs(words, scratch, monkeypatch, capsys):
         assert cli.trainer.state.finished, command
         if words[2] == "fit":  # trained, and validated on the held-out split its config's fractions give
             assert cli.trainer.global_step > 0 and "val/loss" in cli.trainer.callback_metrics, command
+    elif words[0] in LAUNCHERS:  # a multi-node GPU recipe: the main.py command it launches must parse
+        args = [*words[words.index("main.py") + 1 :], "--print_config"]
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(args)
+        assert exit_info.value.code in (0, None), f"{command}: {capsys.readouterr().err[-2000:]}"
     elif words[:3] == ["python", "-m", "lit_packing.inspect"]:
         from lit_packing.inspect import main
 

@@ -28,7 +28,7 @@ from lit_packing.assets import resolve_pretrained
 from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.data.sources import ChampChats, Source
 from lit_packing.data.tokenize import INDEX, TokenizationReport, TokenizedDataset, column, tokenize_dataset
-from lit_packing.samplers import BestFitPackingSampler
+from lit_packing.samplers import BestFitPackingSampler, PlannedBatchSampler
 
 VALIDATION_SPLITS = ("validation", "test")  # a source's own split used for validation, first found
 
@@ -92,6 +92,15 @@ def check_val_check_interval(trainer: Any, train_steps: int) -> None:
     )
 
 
+def _bound(factory: Callable, name: str) -> Any:
+    """The value a `functools.partial` factory (as jsonargparse builds from a config) already gives `name`, or None."""
+    while isinstance(factory, functools.partial):
+        if factory.keywords.get(name) is not None:
+            return factory.keywords[name]
+        factory = factory.func
+    return None
+
+
 def _accepts(factory: Callable, name: str) -> bool:
     """Whether `factory` (a class, function or `functools.partial` of one, as jsonargparse builds) takes `name`."""
     target = factory
@@ -139,6 +148,9 @@ class PackingDataModule(LightningDataModule):
             `validation`, else the validation examples.
         limit: keep only this many examples of each split (a seeded random choice), for quick runs.
         seed: seed of the split, of `limit` and of the samplers (passed as `seed=` where the factory takes one).
+            A factory that takes `cost_coefficients` (`MultipackSampler`) and was not given them in the config
+            gets the attached model's `PackedCausalLM.cost_coefficients`; the training sampler gets
+            `trainer.accumulate_grad_batches` as its `accumulate`.
         num_workers: DataLoader worker processes.
         sampler: builds the training batch sampler from the lengths, e.g. `BestFitPackingSampler` or in YAML
             `{class_path: lit_packing.samplers.BestFitPackingSampler, init_args: {max_tokens: 8192}}`.
@@ -265,13 +277,19 @@ class PackingDataModule(LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
+        dataset = self._require(self.train_dataset)
         self.train_sampler = self._build_sampler(self.sampler, self.train_lengths)
+        if isinstance(self.train_sampler, PlannedBatchSampler):
+            # Every pack carries its optimizer step's label totals, so the loss needs no communication.
+            self.train_sampler.label_counter = dataset.count_labels
+            if self.trainer is not None:
+                self.train_sampler.accumulate = self.trainer.accumulate_grad_batches
         if self._sampler_state is not None:
             self.train_sampler.load_state_dict(self._sampler_state)
             self._sampler_state = None
         if self.trainer is not None:
             check_val_check_interval(self.trainer, len(self.train_sampler))
-        return self._loader(self._require(self.train_dataset), self.train_sampler, self.collator)
+        return self._loader(dataset, self.train_sampler, self.collator)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
@@ -288,10 +306,15 @@ class PackingDataModule(LightningDataModule):
         return self._eval_loader(self.test_dataset)
 
     def state_dict(self) -> dict[str, Any]:
-        """The training sampler's position (epoch, seed, batches yielded), for mid-epoch resume."""
-        if self.train_sampler is not None and hasattr(self.train_sampler, "state_dict"):
-            return {"train_sampler": self.train_sampler.state_dict()}
-        return {}
+        """The training sampler's position, saved in every checkpoint (Lightning calls this): the micro-batches of
+        the epoch that were TRAINED (Lightning's count, never what the DataLoader's workers prefetched), the
+        epoch, the seed, the layout (world size, accumulation) and the plan's identity."""
+        if self.train_sampler is None or not hasattr(self.train_sampler, "state_dict"):
+            return {}
+        if isinstance(self.train_sampler, PlannedBatchSampler) and self.trainer is not None:
+            trained = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            return {"train_sampler": self.train_sampler.state_dict(steps_done=trained)}
+        return {"train_sampler": self.train_sampler.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore `state_dict()`: applied to the training sampler now, or when `train_dataloader` builds it."""
@@ -352,6 +375,10 @@ class PackingDataModule(LightningDataModule):
     def _build_sampler(self, factory: Callable, lengths: np.ndarray, **kwargs: Any) -> Sampler:
         if _accepts(factory, "seed"):
             kwargs["seed"] = self.seed
+        model = self.trainer.lightning_module if self.trainer is not None else None
+        wanted = _accepts(factory, "cost_coefficients") and _bound(factory, "cost_coefficients") is None
+        if wanted and hasattr(model, "cost_coefficients"):
+            kwargs["cost_coefficients"] = model.cost_coefficients  # balance ranks by this model's FLOPs
         return factory(lengths, **kwargs)
 
     def _loader(self, dataset: TokenizedDataset, sampler: Sampler, collator: Callable) -> DataLoader:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from datasets import Features, List, Value
 
-from lit_packing.data.collate import IGNORE_INDEX, INPUT_IDS, LABELS
+from lit_packing.data.collate import IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, Pack
 from lit_packing.data.sources import CHAT, PROMPT_COMPLETION, example_shape
 
 # Bump when the tokens or labels this module produces change: every cached tokenization is then rebuilt.
@@ -37,10 +37,9 @@ TrainOn = Literal["completion", "all"]
 
 LENGTH = "length"
 TRUNCATED_TOKENS = "truncated_tokens"
-INDEX = "index"  # row of the example in the dataset that was tokenized (the source order)
-_LABEL_TOKENS = "label_tokens"
+LABEL_TOKENS = "label_tokens"  # trained tokens of the example (labels != -100, its first label masked)
 _DROPPED = "dropped"  # "", "overlong" or "no_labels"
-OUTPUT_COLUMNS = [INPUT_IDS, LABELS, LENGTH, TRUNCATED_TOKENS, INDEX]
+OUTPUT_COLUMNS = [INPUT_IDS, LABELS, LENGTH, TRUNCATED_TOKENS, INDEX, LABEL_TOKENS]
 
 _FEATURES = Features(
     {
@@ -49,7 +48,7 @@ _FEATURES = Features(
         LENGTH: Value("int32"),
         TRUNCATED_TOKENS: Value("int32"),
         INDEX: Value("int64"),
-        _LABEL_TOKENS: Value("int32"),
+        LABEL_TOKENS: Value("int32"),
         _DROPPED: Value("string"),
     }
 )
@@ -248,7 +247,7 @@ def _fit(ids: list[int], labels: list[int], index: int, max_length: int, overlon
             f"example {index} has {n:,} tokens > max_length={max_length:,}: "
             f"raise data.max_length or set data.overlong=truncate (or drop)"
         )
-    row = {INDEX: index, TRUNCATED_TOKENS: 0, _LABEL_TOKENS: 0, _DROPPED: "", INPUT_IDS: [], LABELS: []}
+    row = {INDEX: index, TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, _DROPPED: "", INPUT_IDS: [], LABELS: []}
     if cut and overlong == "drop":
         return {**row, LENGTH: n, _DROPPED: "overlong"}
     ids, labels = ids[:max_length], labels[:max_length]
@@ -257,7 +256,7 @@ def _fit(ids: list[int], labels: list[int], index: int, max_length: int, overlon
     trained = sum(label != IGNORE_INDEX for label in labels)
     if not trained:
         return {**row, LENGTH: len(ids), TRUNCATED_TOKENS: cut, _DROPPED: "no_labels"}
-    return {**row, INPUT_IDS: ids, LABELS: labels, LENGTH: len(ids), TRUNCATED_TOKENS: cut, _LABEL_TOKENS: trained}
+    return {**row, INPUT_IDS: ids, LABELS: labels, LENGTH: len(ids), TRUNCATED_TOKENS: cut, LABEL_TOKENS: trained}
 
 
 def _tokenize_batch(
@@ -275,7 +274,7 @@ def column(dataset: datasets.Dataset, name: str) -> np.ndarray:
 
 def _report(mapped: datasets.Dataset) -> TokenizationReport:
     length, cut = column(mapped, LENGTH).astype(np.int64), column(mapped, TRUNCATED_TOKENS).astype(np.int64)
-    trained, dropped = column(mapped, _LABEL_TOKENS).astype(np.int64), column(mapped, _DROPPED)
+    trained, dropped = column(mapped, LABEL_TOKENS).astype(np.int64), column(mapped, _DROPPED)
     kept, overlong, unlabelled = dropped == "", dropped == "overlong", dropped == "no_labels"
     return TokenizationReport(
         examples_in=len(mapped),
@@ -346,18 +345,20 @@ def tokenize_dataset(
 class TokenizedDataset(torch.utils.data.Dataset):
     """Examples by row, or token slices of them, for the collator; `lengths` without reading any token.
 
-    `ds[3]` -> `{"input_ids": array, "labels": array, "truncated_tokens": int}`; `ds[(3, 100, 200)]` -> tokens
-    100..199 of example 3 (what `FixedLengthPackingSampler` asks for; `truncated_tokens` only on the slice at 0,
-    so an example's cut tokens are counted once). Arrays are read-only int32 views of the memory-mapped Arrow file
-    (about 40 us a row; `datasets`' numpy formatting takes about 200 us).
+    `ds[3]` -> `{"input_ids": array, "labels": array, "index": source row, "truncated_tokens": int}`;
+    `ds[(3, 100, 200)]` -> tokens 100..199 of example 3 (what `FixedLengthPackingSampler` asks for;
+    `truncated_tokens` only on the slice at 0, so an example's cut tokens are counted once). Arrays are read-only
+    int32 views of the memory-mapped Arrow file (about 40 us a row; `datasets`' numpy formatting takes about 200 us).
+    A `Pack` of keys is read as a `Pack` of items carrying the same optimizer-step totals.
 
     Args:
         dataset: the output of `tokenize_dataset` (or a `select` of it).
     """
 
     def __init__(self, dataset: datasets.Dataset) -> None:
-        self.dataset = dataset.with_format("arrow", columns=[INPUT_IDS, LABELS, TRUNCATED_TOKENS])
+        self.dataset = dataset.with_format("arrow", columns=[INPUT_IDS, LABELS, TRUNCATED_TOKENS, INDEX])
         self._lengths: np.ndarray | None = None
+        self._label_tokens: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -369,13 +370,40 @@ class TokenizedDataset(torch.utils.data.Dataset):
             self._lengths = column(self.dataset, LENGTH).astype(np.int64)
         return self._lengths
 
+    @property
+    def label_tokens(self) -> np.ndarray:
+        """(n,) int64 trained tokens per example, read from the `label_tokens` column only."""
+        if self._label_tokens is None:
+            self._label_tokens = column(self.dataset, LABEL_TOKENS).astype(np.int64)
+        return self._label_tokens
+
+    def count_labels(self, keys: list) -> list[int]:
+        """Trained tokens of each key as the collator will see it: a row's count, or a slice's (whose first label
+        the collator masks), read from the labels of the sliced rows only."""
+        counts = []
+        for key in keys:
+            if isinstance(key, tuple):
+                labels = self[key][LABELS]
+                counts.append(int((labels[1:] != IGNORE_INDEX).sum()))
+            else:
+                counts.append(int(self.label_tokens[key]))
+        return counts
+
     def __getitem__(self, key: int | tuple[int, int, int]) -> dict[str, Any]:
         index, start, stop = key if isinstance(key, tuple) else (key, 0, None)
         row = self.dataset[int(index)]  # a one-row pyarrow.Table
-        item = {INPUT_IDS: _tokens(row, INPUT_IDS)[start:stop], LABELS: _tokens(row, LABELS)[start:stop]}
+        item = {
+            INPUT_IDS: _tokens(row, INPUT_IDS)[start:stop],
+            LABELS: _tokens(row, LABELS)[start:stop],
+            INDEX: row.column(INDEX)[0].as_py(),
+        }
         if start == 0:
             item[TRUNCATED_TOKENS] = row.column(TRUNCATED_TOKENS)[0].as_py()
         return item
+
+    def __getitems__(self, keys: list) -> list[dict[str, Any]]:
+        # The DataLoader hands a batch sampler's whole item to this method: keep a Pack's step totals.
+        return Pack([self[key] for key in keys], step=getattr(keys, "step", None))
 
 
 def _tokens(row, name: str) -> np.ndarray:

@@ -6,7 +6,9 @@
 What it adds to a plain `AutoModelForCausalLM`:
 - a varlen attention backend reading `cu_seq_lens_*` (see `attention.py`); padded batches run sdpa with their mask;
 - the loss computed here from the logits, as one global mean over every gradient-accumulation micro-batch and
-  every data-parallel rank (`loss_normalization`), so packing never changes the gradient;
+  every data-parallel rank (`loss_normalization`), so packing never changes the gradient: each micro-batch's loss
+  sum is divided by its optimizer step's global label count, which every batch carries (`batch["step"]`, from the
+  sampler's global plan), so no gradient is ever rescaled and no rank communicates for it;
 - a host-side check of every batch and an isolation self-test before the first step (see `isolation.py`);
 - validation metrics (`val/loss`, `val/perplexity`, `val/token_accuracy`) that packed and padded batches agree on.
 """
@@ -25,6 +27,7 @@ import torchmetrics
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_packing.callbacks.throughput import flop_coefficients, model_shape
 from lit_packing.data.collate import (
     ATTENTION_MASK,
     CU_SEQ_LENS_K,
@@ -34,6 +37,7 @@ from lit_packing.data.collate import (
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
     POSITION_IDS,
+    STEP,
 )
 from lit_packing.models.attention import AttnBackend, attn_implementation, resolve_backend
 from lit_packing.models.isolation import check_isolation, check_packed_batch
@@ -43,9 +47,8 @@ from lit_packing.models.loss import LossNormalization, causal_lm_loss, token_los
 log = logging.getLogger(__name__)
 
 MODEL_INPUT_KEYS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K)
-# The backward pass starts from a loss *sum* (thousands of tokens): divided by a power of two (exact in floating
-# point) so that fp16 per-token gradients under a GradScaler stay far from overflow; undone in the step's scaling.
-SUM_DIVISOR = 1024.0
+# The strategies whose gradient reduction this loss is tested under (each averages gradients over ranks).
+TESTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy")
 Schedule = Literal["cosine", "linear", "constant"]
 
 
@@ -113,7 +116,7 @@ class PackedCausalLM(LightningModule):
         if lora:
             self.model = apply_lora(self.model, lora)
         self.eval_metrics = torch.nn.ModuleDict({stage: _eval_metrics() for stage in ("val", "test")})
-        self._step_totals: torch.Tensor | None = None  # [token loss sum, label tokens, normalizer] of this step
+        self._step_totals: torch.Tensor | None = None  # [token loss sum, label tokens] of this step on this rank
         self._isolation_pending = isolation_check
 
     # ------------------------------------------------------------------------------------------------------------
@@ -124,7 +127,19 @@ class PackedCausalLM(LightningModule):
         """The underlying transformers model (unwrapping peft)."""
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
+    @property
+    def cost_coefficients(self) -> tuple[float, float]:
+        """Training FLOPs per token and per attended (query, key) pair of this model (`flop_coefficients`): an
+        example of L tokens costs `a * L + b * L^2`. The data module hands them to `MultipackSampler`."""
+        return flop_coefficients(model_shape(self.model))
+
     def setup(self, stage: str) -> None:
+        strategy = type(self.trainer.strategy).__name__
+        if stage == "fit" and strategy not in TESTED_STRATEGIES:
+            raise ValueError(
+                f"trainer.strategy={strategy} is not supported: the loss normalisation is tested under "
+                f"{', '.join(TESTED_STRATEGIES)} (trainer.strategy: auto, ddp or fsdp)"
+            )
         device = self.trainer.strategy.root_device
         self.attn_backend = resolve_backend(self.hparams.attn_backend, device)
         self.hf_model.set_attn_implementation(attn_implementation(self.attn_backend))
@@ -140,7 +155,9 @@ class PackedCausalLM(LightningModule):
         return batch
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._isolation_pending and CU_SEQ_LENS_Q in batch and batch[LABELS].shape[1] > 1:
+        # Every rank runs it on its first packed batch, an empty pack included: the same number of forwards on
+        # every rank (see `sample_packed`), so a sharded model's collectives stay matched and nothing hangs.
+        if self._isolation_pending and CU_SEQ_LENS_Q in batch:
             with self._forward_context():
                 diff = check_isolation(self.model, batch, self.attn_backend)
             log.info("isolation self-test passed: attn_backend=%s, max abs logit diff %.3g", self.attn_backend, diff)
@@ -160,23 +177,39 @@ class PackedCausalLM(LightningModule):
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         parts = causal_lm_loss(self(batch), batch, self.hparams.loss_normalization)
-        totals = torch.stack([parts.token_loss_sum.detach(), parts.label_tokens, parts.normalizer.detach()])
-        totals = totals.to(_accumulator_dtype(totals.device))
-        self._step_totals = totals if self._step_totals is None else self._step_totals + totals
-        # A sum: `on_before_optimizer_step` divides the gradients by the step's global normalizer.
-        return parts.objective / SUM_DIVISOR
+        normalizer = self._step_normalizer(batch, parts)
+        local = torch.stack([parts.token_loss_sum.detach(), parts.label_tokens.detach()])
+        local = local.to(_accumulator_dtype(local.device))
+        self._step_totals = local if self._step_totals is None else self._step_totals + local
+        # Lightning divides by accumulate_grad_batches and data parallelism averages over ranks: undo both, so
+        # the step's gradient is sum(objective) / normalizer over every micro-batch on every rank.
+        factor = self.trainer.world_size * self.trainer.accumulate_grad_batches
+        return parts.objective * (factor / normalizer)
+
+    def _step_normalizer(self, batch: Mapping[str, Any], parts) -> int | torch.Tensor:
+        """The optimizer step's global label tokens (or sequences): from the batch, else this micro-batch's."""
+        key = "label_tokens" if self.hparams.loss_normalization == "token" else "sequences"
+        if STEP in batch:
+            return max(batch[STEP][key], 1)
+        if self.trainer.world_size * self.trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"the batch has no '{STEP}' totals, so with world_size={self.trainer.world_size} and "
+                f"accumulate_grad_batches={self.trainer.accumulate_grad_batches} its loss cannot be normalised over "
+                "the optimizer step: use PackingDataModule's samplers, or give every micro-batch of a step "
+                "lit_packing.data.collate.attach_step(...)"
+            )
+        return parts.normalizer.detach().clamp_min(1)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Turn the summed gradients into the global mean: runs after the last micro-batch's backward, before
-        gradient clipping and the optimizer step (Lightning's `Precision._after_closure`)."""
-        if self._step_totals is None:
+        """Log `train/loss`, the step's per-token mean over all ranks: summed locally, reduced at logging steps only
+        (one all-reduce every `trainer.log_every_n_steps`, none in between)."""
+        totals, self._step_totals = self._step_totals, None
+        trainer = self.trainer
+        if totals is None:
             return
-        totals = self.trainer.strategy.reduce(self._step_totals, reduce_op="sum")  # one all-reduce per step
-        self._step_totals = None
-        # DDP averages gradients over ranks and Lightning divides each micro-batch loss by accumulate_grad_batches.
-        world, accumulate = self.trainer.world_size, self.trainer.accumulate_grad_batches
-        factor = world * accumulate * SUM_DIVISOR / totals[2].clamp_min(1)
-        scale_gradients(self.parameters(), factor)
+        if trainer.world_size > 1 and (trainer.global_step + 1) % trainer.log_every_n_steps and trainer.global_step:
+            return
+        totals = trainer.strategy.reduce(totals, reduce_op="sum")
         self.log("train/loss", totals[0] / totals[1].clamp_min(1), prog_bar=True, on_step=True, on_epoch=False)
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
@@ -263,13 +296,6 @@ def _apply_umask(folder: str) -> None:
     for entry in os.scandir(folder):
         if entry.is_file():
             os.chmod(entry.path, 0o666 & ~umask)
-
-
-def scale_gradients(parameters, factor: torch.Tensor) -> None:
-    """Multiply every gradient by a 0-dim (device) tensor in one fused call: no host sync."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if grads:
-        torch._foreach_mul_(grads, factor.to(grads[0].device))
 
 
 def lr_schedule(kind: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):
