@@ -104,8 +104,9 @@ class LogConfigCallback(SaveConfigCallback):
     def on_train_start(self, trainer: Trainer, pl_module) -> None:
         if self.already_saved:
             return
+        csv_dirs = [lg.log_dir for lg in trainer.loggers if isinstance(lg, CSVLogger)]
+        run_dir = csv_dirs[0] if csv_dirs else trainer.log_dir  # `trainer.log_dir` broadcasts: every rank asks
         if trainer.is_global_zero:
-            run_dir = next((lg.log_dir for lg in trainer.loggers if isinstance(lg, CSVLogger)), trainer.log_dir)
             os.makedirs(run_dir, exist_ok=True)
             path = os.path.join(run_dir, self.config_filename)
             self.parser.save(self.config, path, skip_none=False, overwrite=True, multifile=self.multifile)
