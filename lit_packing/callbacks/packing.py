@@ -31,12 +31,13 @@ def padding_metrics(counts: dict[str, int]) -> dict[str, float]:
 class PackingMonitor(pl.Callback):
     """Log padding ratio, packing efficiency, examples, real / label tokens per step and per epoch.
 
-    Per optimizer step (`train/...`, summed over its gradient-accumulation micro-batches): `padding_ratio`
-    (pad slots / slots), `packing_efficiency` (real / slots), `examples_per_step`, `real_tokens`, `label_tokens`,
-    and the running totals `truncated_tokens` (cut by the data's overlong policy in the batches seen so far) and
-    `dropped_tokens` / `dropped_examples` (removed before sampling, from the data module's report), with the data
-    module's `bad_examples` (skipped under `data.on_bad_row=skip`), `duplicate_examples` and
-    `val_overlap_examples` (validation examples also in training). Per epoch:
+    Per optimizer step (`train/...`, summed over its gradient-accumulation micro-batches, this rank's batches):
+    `padding_ratio` (pad slots / slots), `packing_efficiency` (real / slots), `examples_per_step`, `real_tokens`,
+    `label_tokens`, `truncated_tokens` (cut from this step's examples by the data's overlong policy). Once, when
+    training starts (`data/...`, at step 0): every count of the data module's `TokenizationReport`, e.g.
+    `data/truncated_tokens`, `data/dropped_overlong_examples` (dataset-level: removed before sampling),
+    `data/bad_examples` (skipped under `data.on_bad_row=skip`), `data/duplicate_examples` and
+    `data/val_overlap_examples` (validation examples also in training). Per epoch:
     `train/epoch_padding_ratio`, `train/epoch_packing_efficiency`. With several ranks, at logging steps:
     `train/rank_token_imbalance` and `train/rank_attn_imbalance` (max / mean over ranks of real tokens and of
     attention cost sum(L^2)).
@@ -49,7 +50,15 @@ class PackingMonitor(pl.Callback):
         self.prog_bar = prog_bar
         self.epoch_totals: Counter[str] = Counter()
         self._step_counts: Counter[str] = Counter()  # the micro-batches of the optimizer step under way
-        self.truncated_tokens = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        report = getattr(trainer.datamodule, "report", None) if trainer.datamodule is not None else None
+        if report is None or not trainer.is_global_zero:
+            return
+        counts = {f"data/{name}": float(value) for name, value in report.as_dict().items()}
+        counts["data/val_overlap_examples"] = float(getattr(trainer.datamodule, "overlap_examples", 0))
+        for logger in trainer.loggers:
+            logger.log_metrics(counts, step=trainer.global_step)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.epoch_totals = Counter()
@@ -68,7 +77,6 @@ class PackingMonitor(pl.Callback):
         if not counts:
             return
         self.epoch_totals.update(counts)
-        self.truncated_tokens += counts["truncated_tokens"]
         step = padding_metrics(counts)
         metrics = {
             "train/padding_ratio": step["padding_ratio"],
@@ -76,8 +84,7 @@ class PackingMonitor(pl.Callback):
             "train/examples_per_step": float(counts["examples"]),
             "train/real_tokens": float(counts["real_tokens"]),
             "train/label_tokens": float(counts["label_tokens"]),
-            "train/truncated_tokens": float(self.truncated_tokens),
-            **self._dropped(trainer),
+            "train/truncated_tokens": float(counts["truncated_tokens"]),
         }
         if trainer.world_size > 1 and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
             metrics.update(self._rank_imbalance(pl_module, counts))
@@ -92,19 +99,6 @@ class PackingMonitor(pl.Callback):
         epoch = padding_metrics(self.epoch_totals)
         pl_module.log("train/epoch_padding_ratio", epoch["padding_ratio"], on_epoch=True, batch_size=1)
         pl_module.log("train/epoch_packing_efficiency", epoch["packing_efficiency"], on_epoch=True, batch_size=1)
-
-    @staticmethod
-    def _dropped(trainer: pl.Trainer) -> dict[str, float]:
-        report = getattr(trainer.datamodule, "report", None) if trainer.datamodule is not None else None
-        if report is None:
-            return {}
-        return {
-            "train/dropped_tokens": float(report.dropped_overlong_tokens + report.dropped_no_label_tokens),
-            "train/dropped_examples": float(report.dropped_overlong_examples + report.dropped_no_label_examples),
-            "train/bad_examples": float(report.bad_examples),
-            "train/duplicate_examples": float(report.duplicate_examples),
-            "train/val_overlap_examples": float(getattr(trainer.datamodule, "overlap_examples", 0)),
-        }
 
     @staticmethod
     def _rank_imbalance(pl_module: pl.LightningModule, counts: dict[str, int]) -> dict[str, float]:

@@ -96,12 +96,21 @@ def data_rows(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[
 
 
 class TokenThroughputMonitor(pl.Callback):
-    """Log effective tokens/s (real tokens only) and friends every step, smoothed over a window of steps.
+    """Log effective tokens/s (real tokens only) and friends at logging steps, over a window of steps.
+
+    One clock for every number: training time is host time between the end of one training batch and the end of
+    the next, with validation and checkpointing left out (the clock pauses and resumes at the next batch). So the
+    progress bar's `tok/s`, the logged `train/effective_tokens_per_sec` and the summary's "effective tokens/s" are
+    the same quantity: real tokens / training seconds, over the last `window` steps (logs, bar) or the whole fit
+    (summary); for a fit of at most `window` steps they are equal. The first step includes the model's one-time
+    isolation self-test.
 
     Logged (`train/...`): `effective_tokens_per_sec`, `label_tokens_per_sec`, `slot_tokens_per_sec`,
     `examples_per_sec`, `tflops_per_sec` (with attention FLOPs from the batch's real attention cost), `mfu` where
-    the device's peak is known (Lightning's table of chips), `peak_memory_gb`. Rates are totals across ranks.
-    At the end of `fit` a summary table is printed.
+    the device's peak is known (Lightning's table of chips), `peak_memory_gb`. Rates are totals over all ranks;
+    with several ranks `effective_tokens_per_sec_per_rank` is their mean per rank, and the counts are summed over
+    ranks (one all-reduce) only at logging steps (`trainer.log_every_n_steps`) and at the end, so no step waits
+    for a device sync. When training ends a summary table is printed, labelled per rank / all ranks.
 
     Args:
         window: number of steps the rates are averaged over.
@@ -113,10 +122,10 @@ class TokenThroughputMonitor(pl.Callback):
         self.summary = summary
         self.totals: Counter[str] = Counter()
         self.train_seconds = 0.0
-        self._recent: deque[tuple[float, Counter[str]]] = deque(maxlen=window + 1)
+        self._recent: deque[tuple[float, Counter[str]]] = deque([(0.0, Counter())], maxlen=window + 1)
         self._shape: dict[str, int] = {}
         self._peak_flops: float | None = None
-        self._restart_pending = True
+        self._batch_start: float | None = None  # None: the clock is paused until the next training batch starts
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = getattr(pl_module, "model", pl_module)
@@ -127,20 +136,17 @@ class TokenThroughputMonitor(pl.Callback):
             self._peak_flops *= trainer.world_size
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._restart_pending = True  # the dataloader restart is not training time
+        self._batch_start = None  # the dataloader restart is not training time
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Nor is validation, nor the checkpoint saved after it (ModelCheckpoint runs after this callback):
-        # the clock restarts when the next training batch starts.
-        self._restart_pending = True
+        # Nor is validation, nor the checkpoint saved after it (ModelCheckpoint runs after this callback).
+        self._batch_start = None
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._restart_pending:
-            self._restart_pending = False
-            self._recent.clear()
-            self._recent.append((time.perf_counter(), Counter()))
+        if self._batch_start is None:
+            self._batch_start = time.perf_counter()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -148,9 +154,13 @@ class TokenThroughputMonitor(pl.Callback):
         now = time.perf_counter()
         counts = Counter(batch[COUNTS])
         counts["flops"] = train_flops(self._shape, batch[COUNTS]) if self._shape else 0.0
-        self.train_seconds += now - self._recent[-1][0]
+        self.train_seconds += now - self._batch_start
+        self._batch_start = now
         self.totals.update(counts)
-        self._recent.append((now, counts))
+        self._recent.append((self.train_seconds, counts))
+        # Lightning's own test for "this step's metrics reach the loggers" (log_every_n_steps, or the run stops).
+        if trainer.world_size > 1 and not trainer._logger_connector.should_update_logs:
+            return
         rates = self.rates(trainer, pl_module)
         for name, value in rates.items():
             pl_module.log(f"train/{name}", value, on_step=True, batch_size=1)
@@ -159,45 +169,56 @@ class TokenThroughputMonitor(pl.Callback):
         )
 
     def rates(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
-        """Windowed rates over the steps in `_recent`, summed over ranks."""
-        elapsed = self._recent[-1][0] - self._recent[0][0]
+        """Windowed rates over the steps in `_recent`, summed over ranks (a collective with several ranks)."""
         window: Counter[str] = Counter()
         for _, counts in list(self._recent)[1:]:
             window.update(counts)
-        names = [*_RATES.values(), "flops"]
-        values = [float(window[name]) for name in names]
-        if trainer.world_size > 1:
-            values = trainer.strategy.reduce(
-                torch.tensor(values, dtype=torch.float64, device=pl_module.device), reduce_op="sum"
-            ).tolist()
-        summed = dict(zip(names, values))
-        elapsed = max(elapsed, 1e-9)
+        summed = _sum_over_ranks(trainer, pl_module, window, [*_RATES.values(), "flops"])
+        elapsed = max(self._recent[-1][0] - self._recent[0][0], 1e-9)
         metrics = {name: summed[count] / elapsed for name, count in _RATES.items()}
+        if trainer.world_size > 1:
+            metrics["effective_tokens_per_sec_per_rank"] = metrics["effective_tokens_per_sec"] / trainer.world_size
         metrics["tflops_per_sec"] = summed["flops"] / elapsed / 1e12
         if self._peak_flops:
             metrics["mfu"] = summed["flops"] / elapsed / self._peak_flops
         metrics["peak_memory_gb"] = peak_memory_gb(pl_module.device)
         return metrics
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.summary and trainer.is_global_zero and self.totals:
-            Console().print(self.summary_table(trainer, pl_module))
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Here, not in `on_fit_end`: that runs after the strategy's teardown (model on CPU), too late for a
+        # collective on the device.
+        if not self.summary or not self.totals:
+            return
+        table = self.summary_table(trainer, pl_module)  # every rank takes part in the sum
+        if trainer.is_global_zero:
+            Console().print(table)
 
     def summary_table(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Table:
-        """Steps, examples, real tokens, padding, effective tokens/s, peak memory, final losses (this rank's data),
-        and what the data pipeline and the numerics guard skipped or changed (`data_rows`)."""
-        totals, seconds = self.totals, max(self.train_seconds, 1e-9)
-        metrics = trainer.callback_metrics
+        """Steps, examples, real tokens, padding, effective tokens/s, peak memory, final losses.
+
+        Counts and tokens/s are summed over ranks (one all-reduce) and labelled "all ranks" when there are
+        several; time and memory are this rank's (rank 0, which prints).
+        """
+        names = ["examples", "real_tokens", "slot_tokens"]
+        totals = _sum_over_ranks(trainer, pl_module, self.totals, names)
+        seconds, ranks = max(self.train_seconds, 1e-9), trainer.world_size
+        label = f" ({ranks} ranks)" if ranks > 1 else ""
+        padding = (totals["slot_tokens"] - totals["real_tokens"]) / max(totals["slot_tokens"], 1)
         rows = [
             ("optimizer steps", f"{trainer.global_step:,}"),
-            ("examples", f"{totals['examples']:,}"),
-            ("real tokens", f"{totals['real_tokens']:,}"),
-            ("slot tokens", f"{totals['slot_tokens']:,}"),
-            ("padding ratio", f"{(totals['slot_tokens'] - totals['real_tokens']) / max(totals['slot_tokens'], 1):.3f}"),
-            ("effective tokens/s", f"{totals['real_tokens'] / seconds:,.1f}"),
-            ("train time", f"{seconds:,.1f} s"),
-            ("peak memory", f"{peak_memory_gb(pl_module.device):.2f} GiB"),
+            (f"examples{label}", f"{totals['examples']:,.0f}"),
+            (f"real tokens{label}", f"{totals['real_tokens']:,.0f}"),
+            (f"slot tokens{label}", f"{totals['slot_tokens']:,.0f}"),
+            ("padding ratio", f"{padding:.3f}"),
+            (f"effective tokens/s{label}", f"{totals['real_tokens'] / seconds:,.1f}"),
         ]
+        if ranks > 1:
+            rows.append(("effective tokens/s per rank", f"{totals['real_tokens'] / seconds / ranks:,.1f}"))
+        rows += [
+            ("train time" + (" (rank 0)" if ranks > 1 else ""), f"{seconds:,.1f} s"),
+            ("peak memory" + (" (rank 0)" if ranks > 1 else ""), f"{peak_memory_gb(pl_module.device):.2f} GiB"),
+        ]
+        metrics = trainer.callback_metrics
         for key in ("train/loss", "val/loss", "val/perplexity"):
             if key in metrics:
                 rows.append((key, f"{float(metrics[key]):.4f}"))
@@ -206,3 +227,15 @@ class TokenThroughputMonitor(pl.Callback):
         for name, value in rows:
             table.add_row(name, value)
         return table
+
+
+def _sum_over_ranks(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, counts: Counter[str], names: list[str]
+) -> dict[str, float]:
+    """`counts[name]` summed over every rank for each name: one all-reduce with several ranks, none with one."""
+    values = [float(counts[name]) for name in names]
+    if trainer.world_size > 1:
+        values = trainer.strategy.reduce(
+            torch.tensor(values, dtype=torch.float64, device=pl_module.device), reduce_op="sum"
+        ).tolist()
+    return dict(zip(names, values))

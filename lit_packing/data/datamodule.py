@@ -59,22 +59,60 @@ def check_val_split(val_split: int | float) -> None:
 def split_rows(n: int, val_split: int | float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Deterministic train / validation split of rows `0..n-1`: `(train_rows, val_rows)`, each sorted.
 
+    A fraction adapts to the data (0.05 of 30 examples is 2, of a million 50,000); a count is taken as given.
+
     Args:
         n: number of examples.
         val_split: a fraction in [0, 1) (float) or a count (int) of validation examples; a fraction > 0 keeps at
-            least one.
+            least one validation and one training example.
         seed: the same seed always gives the same split (`numpy.random.default_rng(seed).permutation(n)`).
+
+    Raises:
+        ValueError: the split leaves no training example; the message names `data.val_split` and `data.limit`.
     """
     if isinstance(val_split, float):
         if not 0 <= val_split < 1:
-            raise ValueError(f"val_split={val_split}: a float is a fraction in [0, 1); use an int for a count")
-        n_val = min(max(round(val_split * n), 1 if val_split > 0 else 0), n - 1) if n else 0
+            raise ValueError(
+                f"data.val_split={val_split}: a float is a fraction of the examples in [0, 1) (e.g. 0.05); "
+                "use an int for a count"
+            )
+        n_val = min(max(round(val_split * n), 1 if val_split > 0 else 0), max(n - 1, 0))
     else:
         if not 0 <= val_split < max(n, 1):
-            raise ValueError(f"val_split={val_split} examples leaves no training data out of {n:,}: lower it")
+            raise ValueError(
+                f"data.val_split={val_split} examples leaves no training data out of {n:,}: give a fraction "
+                f"(e.g. data.val_split=0.05, which adapts to the data), a count below {n:,}, or more examples "
+                "(data.limit)"
+            )
         n_val = val_split
     order = np.random.default_rng(seed).permutation(n)
     return np.sort(order[n_val:]), np.sort(order[:n_val])
+
+
+def check_val_check_interval(trainer: Any, train_steps: int) -> None:
+    """Raise a clear error where an explicit `trainer.val_check_interval` (an int) cannot work on this data.
+
+    Lightning counts an int interval in training batches of one epoch; more than the epoch has is an error there
+    too, but one that names neither the setting's CLI path nor the fixes.
+
+    Args:
+        trainer: the Lightning Trainer (its `val_check_interval` and `check_val_every_n_epoch`).
+        train_steps: training batches per epoch on this rank (`len(sampler)`).
+
+    Raises:
+        ValueError: naming `trainer.val_check_interval` and the data settings that size the epoch.
+    """
+    interval = trainer.val_check_interval
+    if not isinstance(interval, int) or trainer.check_val_every_n_epoch is None or interval <= train_steps:
+        return
+    if not trainer.limit_val_batches:  # validation is off: Lightning lets any interval pass
+        return
+    raise ValueError(
+        f"trainer.val_check_interval={interval} batches is more than the {train_steps:,} training batches of one "
+        f"epoch "
+        f"of this data: give a fraction of the run instead (e.g. trainer.val_check_interval=0.5, or 1.0 for the "
+        f"end only), a count up to {train_steps:,}, or more training examples (data.val_split, data.limit)"
+    )
 
 
 def _init_args(factory: Callable) -> dict[str, Any]:
@@ -128,7 +166,9 @@ class PackingDataModule(LightningDataModule):
         overlong: examples over `max_length`: `truncate` (keep the first tokens), `drop` or `error`.
         train_on: `completion` (assistant turns / completions; default) or `all` tokens.
         val_split: validation fraction (float) or count (int), split off with `seed` from the examples before
-            tokenization; ignored when the source has its own `validation` (or `test`) split.
+            tokenization; a fraction adapts to the data. Ignored when the source has its own `validation` (or
+            `test`) split. `main.py test` scores the source's `test` split where it has one besides
+            `validation`, else the validation examples.
         limit: keep only this many examples of each split (a seeded random choice), for quick runs.
         seed: seed of the split, of `limit` and of the samplers (passed as `seed=` where the factory takes one).
             A factory that takes `cost_coefficients` (`MultipackSampler`) and was not given them in the config
@@ -147,7 +187,7 @@ class PackingDataModule(LightningDataModule):
         num_proc: processes for tokenization (`datasets.map`); None uses one, which is fastest on 2 cores.
         on_bad_row: rows that cannot be trained (malformed lines, null or mistyped fields, unknown roles, no
             assistant turn, empty answers, control characters): `error` (default) stops before training naming the
-            first rows; `skip` leaves them out and counts them (log, `train/bad_examples`, the fit summary).
+            first rows; `skip` leaves them out and counts them (log, `data/bad_examples`, the fit summary).
     """
 
     def __init__(
@@ -199,6 +239,7 @@ class PackingDataModule(LightningDataModule):
         self._tokenizer = None
         self.train_dataset: TokenizedDataset | None = None
         self.val_dataset: TokenizedDataset | None = None
+        self.test_dataset: TokenizedDataset | None = None
         self.report: TokenizationReport | None = None
         self.train_sampler: Sampler | None = None
         self._sampler_state: dict | None = None
@@ -241,6 +282,10 @@ class PackingDataModule(LightningDataModule):
 
     def prepare_data(self) -> None:
         """Load the source and tokenize it into the disk cache (Lightning runs this on one process per node)."""
+        rank_zero_info(
+            f"preparing data: {self.source!r} tokenized with {self.tokenizer_name} (first time ~5 s per 1,000 chats "
+            "on 2 CPU cores; later runs with the same settings read the cache)"
+        )
         self._tokenize()
 
     def setup(self, stage: str | None = None) -> None:
@@ -248,22 +293,27 @@ class PackingDataModule(LightningDataModule):
         if self.train_dataset is not None:
             return
         tokenized = self._tokenize()
-        train, train_report = tokenized["train"]
+        train, self.report = tokenized["train"]
         if "validation" in tokenized:
             val, val_report = tokenized["validation"]
-            self.report = train_report + val_report
+            self.report = self.report + val_report
         else:
-            train, val = self._split(train, train_report.examples_in)
-            self.report = train_report
+            train, val = self._split(train, self.report.examples_in)
         if not len(train):
             raise DataError(
                 f"nothing to train on: all {len(val):,} kept examples are validation examples: lower data.val_split"
             )
+        test = val
+        if "test" in tokenized:
+            test, test_report = tokenized["test"]
+            self.report = self.report + test_report
         self.train_dataset = TokenizedDataset(train)
         self.val_dataset = TokenizedDataset(val) if len(val) else None
+        self.test_dataset = TokenizedDataset(test) if len(test) else None
+        own_test = f" / {len(test):,} test" if "test" in tokenized else ""
         rank_zero_info(
             f"{self.source!r} with {self.tokenizer_name}: {self.report}; "
-            f"{len(self.train_dataset):,} train / {len(val):,} validation examples"
+            f"{len(self.train_dataset):,} train / {len(val):,} validation{own_test} examples"
         )
         self._warn_about(train, val)
 
@@ -314,26 +364,25 @@ class PackingDataModule(LightningDataModule):
         if self._sampler_state is not None:
             self.train_sampler.load_state_dict(self._sampler_state)
             self._sampler_state = None
+        if self.trainer is not None:
+            check_val_check_interval(self.trainer, len(self.train_sampler))
         return self._loader(dataset, self.train_sampler, self.collator)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
             return []
-        if self.val_sampler is not None:
-            sampler = self._build_sampler(self.val_sampler, self.val_lengths)
-        else:
-            sampler = self._build_sampler(self.sampler, self.val_lengths, shuffle=False)
-        return self._loader(self.val_dataset, sampler, self.val_collator or self.collator)
+        return self._eval_loader(self.val_dataset)
 
     def test_dataloader(self) -> DataLoader:
-        """`python main.py test`: the held-out examples, i.e. the validation split (no third split is kept)."""
-        if self.val_dataset is None:
+        """`python main.py test`: the source's own `test` split, else the held-out (validation) examples, built
+        exactly as validation builds them, so both commands score a split the same way."""
+        if self.test_dataset is None:
             raise ConfigError(
                 "data.val_split",
                 "no held-out examples to test on",
-                "set it > 0 (or use a source with a validation split)",
+                "set it > 0 (or use a source with a test split)",
             )
-        return self.val_dataloader()
+        return self._eval_loader(self.test_dataset)
 
     def state_dict(self) -> dict[str, Any]:
         """The training sampler's position, saved in every checkpoint (Lightning calls this): the micro-batches of
@@ -357,7 +406,7 @@ class PackingDataModule(LightningDataModule):
     # ------------------------------------------------------------ steps
 
     def _tokenize(self) -> dict[str, tuple[datasets.Dataset, TokenizationReport]]:
-        """`{"train": (tokenized, report)}`, plus `"validation"` when the source has its own split."""
+        """`{"train": (tokenized, report)}`, plus `"validation"` / `"test"` where the source has its own."""
         parts = self._raw_splits(self.source.load(cache_dir=self.cache_dir))
         tokenized = {}
         for name, raw in parts.items():
@@ -378,10 +427,11 @@ class PackingDataModule(LightningDataModule):
                 "choose one",
             )
         parts = {"train": loaded["train"]}
-        for name in VALIDATION_SPLITS:
-            if name in loaded:
-                parts["validation"] = loaded[name]
-                break
+        validation = next((name for name in VALIDATION_SPLITS if name in loaded), None)
+        if validation is not None:
+            parts["validation"] = loaded[validation]
+        if validation != "test" and "test" in loaded:  # a third split: `main.py test` scores it
+            parts["test"] = loaded["test"]
         return parts
 
     def _limited(self, dataset: datasets.Dataset) -> tuple[datasets.Dataset, np.ndarray | None]:
@@ -404,6 +454,14 @@ class PackingDataModule(LightningDataModule):
         except ValueError as error:
             name = next((key for key in _init_args(factory) if key in str(error)), None)
             raise ConfigError(f"{setting}.init_args.{name}" if name else setting, str(error)) from None
+
+    def _eval_loader(self, dataset: TokenizedDataset) -> DataLoader:
+        """Whole, isolated examples in a fixed order: `val_sampler` / `val_collator`, else the training ones."""
+        if self.val_sampler is not None:
+            sampler = self._build_sampler(self.val_sampler, dataset.lengths)
+        else:
+            sampler = self._build_sampler(self.sampler, dataset.lengths, shuffle=False)
+        return self._loader(dataset, sampler, self.val_collator or self.collator)
 
     def _build_sampler(self, factory: Callable, lengths: np.ndarray, **kwargs: Any) -> Sampler:
         if _accepts(factory, "seed"):

@@ -9,7 +9,7 @@ A packed batch is one row of T tokens holding n examples; `cu_seq_lens_q = [0, L
     (a dense block-diagonal mask would cost T^2 = 784 and a padded batch 4 * 11^2 = 484)
 
 Backends (all exact; registered under the names in `HF_NAMES`):
-    flash_attn    `flash_attn_varlen_func` from the flash-attn package (CUDA, optional extra `lit_packing[flash]`)
+    flash_attn    `flash_attn_varlen_func` from the flash-attn package (CUDA; `pip install -e ".[flash]"`)
     torch_varlen  `torch.nn.attention.varlen.varlen_attn`, PyTorch's built-in FlashAttention-2 (CUDA, torch >= 2.10)
     cpu_varlen    per-example SDPA on any device, one batched call per distinct length: cost sum(L^2), not T^2
     sdpa_mask     SDPA with a dense (T, T) block-diagonal causal mask: the slow reference
@@ -89,13 +89,17 @@ def resolve_backend(backend: AttnBackend, device: torch.device | str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown attn_backend={backend!r}: choose one of auto, {', '.join(BACKENDS)}")
     if backend == "flash_attn":
+        if not cuda:
+            raise ValueError(
+                f"attn_backend=flash_attn needs a CUDA GPU, and this run is on {device}: set "
+                "model.attn_backend=auto (picks cpu_varlen here) or model.attn_backend=cpu_varlen"
+            )
         if not flash_attn_installed():
             raise ValueError(
-                "attn_backend=flash_attn needs the flash-attn package: `pip install lit_packing[flash]`, "
-                "or set attn_backend=auto (torch_varlen on CUDA, cpu_varlen elsewhere)"
+                "attn_backend=flash_attn needs the flash-attn package: from the repository, "
+                '`pip install -e ".[flash]"` (compiles against your CUDA toolkit), or set model.attn_backend=auto '
+                "(PyTorch's built-in torch_varlen on this GPU)"
             )
-        if not cuda:
-            raise ValueError(f"attn_backend=flash_attn needs a CUDA device, got {device}: set attn_backend=auto")
     if backend == "torch_varlen" and not torch_varlen_available(device):
         raise ValueError(
             f"attn_backend=torch_varlen needs torch >= 2.10 and a CUDA GPU with compute capability >= 8.0 "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -356,6 +357,7 @@ class PackedCausalLM(LightningModule):
                 tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained(self.hparams.model, with_model=False))
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
+        _apply_umask(path)
         rank_zero_info(f"exported the model{' and tokenizer' if tokenizer is not None else ''} to {path}")
 
 
@@ -383,6 +385,16 @@ def _backend_here(backend: str, device: torch.device | str) -> str:
     except ValueError as error:
         usable = ", ".join(available_backends(device))
         raise ConfigError("model.attn_backend", str(error), f"on {device} these run: auto, {usable}") from None
+
+
+def _apply_umask(folder: str) -> None:
+    """Give every file in `folder` the mode a plain `open()` would (transformers writes weights through a private
+    temporary file, mode 0600, so that others who can read the folder could not read `model.safetensors`)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for entry in os.scandir(folder):
+        if entry.is_file():
+            os.chmod(entry.path, 0o666 & ~umask)
 
 
 def lr_schedule(kind: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):

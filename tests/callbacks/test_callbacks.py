@@ -2,6 +2,10 @@
 
 import csv
 import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -105,3 +109,120 @@ def test_gradient_accumulation_logs_once_per_optimizer_step_over_all_micro_batch
     assert [row["train/padding_ratio"] for row in rows] == pytest.approx([6 / 64, 10 / 16])
     assert [row["train/examples_per_step"] for row in rows] == [5, 2]
     assert [row["train/label_tokens"] for row in rows] == [24 + 29, 4]
+
+
+class ReportingData(pl.LightningDataModule):
+    """Fixed batches and a tokenization report, as `PackingDataModule` exposes one."""
+
+    def __init__(self, batches, report):
+        super().__init__()
+        self.batches, self.report = batches, report
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.batches, batch_size=None, collate_fn=lambda b: b)
+
+
+def read_rows(tmp_path):
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(f)]
+
+
+def test_dataset_counts_are_logged_once_and_truncation_per_step(tmp_path):
+    """`train/truncated_tokens` is each step's own count; `data/...` (the dataset's report) is logged once."""
+    from lit_packing.data.tokenize import TokenizationReport
+
+    batches = [PackedCollator()(examples(lengths)) for lengths in BATCH_LENGTHS]
+    for batch, cut in zip(batches, (5, 0, 2)):
+        batch["counts"]["truncated_tokens"] = cut
+    report = TokenizationReport(examples_in=9, examples_out=7, truncated_tokens=7, dropped_overlong_examples=2)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        logger=CSVLogger(tmp_path),
+        callbacks=[PackingMonitor()],
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+    trainer.fit(FixedBatches(batches), datamodule=ReportingData(batches, report))
+    rows = read_rows(tmp_path)
+    assert [row["train/truncated_tokens"] for row in rows if "train/truncated_tokens" in row] == [5, 0, 2]
+    data_rows = [row for row in rows if "data/truncated_tokens" in row]
+    assert len(data_rows) == 1 and data_rows[0]["step"] == 0
+    assert data_rows[0]["data/truncated_tokens"] == 7 and data_rows[0]["data/dropped_overlong_examples"] == 2
+    assert not any("train/dropped_examples" in row for row in rows)
+
+
+def test_summary_tokens_per_sec_is_the_logged_rate_when_the_fit_fits_in_the_window(tmp_path, capsys):
+    """One clock: with 3 steps and window 20 the last logged rate, the bar's `tok/s` and the summary agree."""
+    monitor = TokenThroughputMonitor(window=20)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        logger=CSVLogger(tmp_path),
+        callbacks=[monitor],
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+    collate = PackedCollator()
+    trainer.fit(FixedBatches([collate(examples(lengths)) for lengths in BATCH_LENGTHS]))
+    rows = read_rows(tmp_path)
+    logged = [row["train/effective_tokens_per_sec"] for row in rows if "train/effective_tokens_per_sec" in row]
+    summary = monitor.totals["real_tokens"] / monitor.train_seconds
+    assert monitor.totals["real_tokens"] == 28 + 30 + 6
+    assert logged[-1] == pytest.approx(summary, rel=1e-6)  # Lightning keeps logged scalars as float32
+    assert float(trainer.progress_bar_metrics["tok/s"]) == pytest.approx(summary, rel=1e-6)
+    printed = next(line for line in capsys.readouterr().out.splitlines() if "effective tokens/s" in line)
+    assert printed.split()[-2] == f"{summary:,.1f}" and "ranks" not in printed  # one rank: no rank label
+
+
+DDP_SCRIPT = """
+import json
+import sys
+
+import torch
+from lightning.pytorch import Trainer
+from lit_packing.callbacks import TokenThroughputMonitor
+from lit_packing.callbacks import throughput
+from lit_packing.data.collate import PackedCollator
+
+sys.path.insert(0, {tests!r})
+from test_callbacks import FixedBatches, examples
+
+LENGTHS = [(3, 5), (7,), (2, 2, 2), (9, 1), (4,), (6, 6), (8,), (5, 5, 5)]
+batches = [PackedCollator()(examples(lengths)) for lengths in LENGTHS]
+calls = []
+original = throughput._sum_over_ranks
+def counting(trainer, *args):
+    calls.append(trainer.global_step)
+    return original(trainer, *args)
+throughput._sum_over_ranks = counting
+
+trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4, log_every_n_steps=2, logger=False,
+                  callbacks=[TokenThroughputMonitor(window=50)], enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(FixedBatches(batches))
+if trainer.is_global_zero:
+    print("REDUCES", json.dumps(calls))
+    print("REAL-TOKENS", sum(sum(lengths) for lengths in LENGTHS))
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_reduce_only_at_logging_steps_and_label_the_summary(tmp_path):
+    """2 CPU ranks (gloo), 4 steps, log_every_n_steps=2: the monitor all-reduces at the 2 logging steps and once for
+    the summary, never per step; the summary counts both ranks' tokens and says so."""
+    script = tmp_path / "ddp_throughput.py"
+    script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent)))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = done.stdout
+    assert "REDUCES" in out, out[-2000:] + done.stderr[-4000:]
+    reduces = json.loads(out.split("REDUCES", 1)[1].splitlines()[0])
+    assert len(reduces) == 3, reduces  # steps 2 and 4 (logging), then the summary: not one per step
+    real = int(out.split("REAL-TOKENS", 1)[1].split()[0])
+    row = next(line for line in out.splitlines() if "real tokens (2 ranks)" in line)
+    assert row.split()[-2] == f"{real:,}"  # both ranks' tokens: "│ real tokens (2 ranks) │ 110 │"
+    assert "effective tokens/s per rank" in out

@@ -159,6 +159,35 @@ def test_source_validation_split_is_used(tmp_path):
     assert dm.report.examples_in == 8
 
 
+def test_source_test_split_is_what_test_scores(tmp_path):
+    def chats(answer, n):
+        chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer}]
+        return datasets.Dataset.from_list([{"messages": chat}] * n)
+
+    datasets.DatasetDict(
+        train=chats("Hello", 6), validation=chats("Hello there", 2), test=chats("Hello there, friend", 3)
+    ).save_to_disk(str(tmp_path / "saved"))
+    dm = ready(source=HFDataset(str(tmp_path / "saved")))
+    assert (len(dm.train_lengths), len(dm.val_lengths), len(dm.test_dataset)) == (6, 2, 3)
+    tested = [batch["counts"] for batch in dm.test_dataloader()]
+    assert sum(c["examples"] for c in tested) == 3
+    assert sum(c["real_tokens"] for c in tested) == int(dm.test_dataset.lengths.sum())
+    assert dm.report.examples_in == 11
+
+
+def test_without_a_test_split_test_scores_the_validation_examples_the_same_way(chatterbot):
+    val, test = list(chatterbot.val_dataloader()), list(chatterbot.test_dataloader())
+    assert [b["counts"] for b in val] == [b["counts"] for b in test]
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(val, test))
+
+
+def test_split_errors_name_the_settings_to_change():
+    with pytest.raises(ValueError, match=r"data\.val_split=32 examples leaves no training data out of 30.*0\.05"):
+        split_rows(30, 32, seed=0)
+    assert len(split_rows(30, 0.02, seed=0)[1]) == 1  # a fraction adapts: at least one held out
+    assert len(split_rows(1_000_000, 0.02, seed=0)[1]) == 20_000
+
+
 def test_yaml_config_instantiates(cache_dir):
     parser = ArgumentParser()
     parser.add_class_arguments(PackingDataModule, "data")

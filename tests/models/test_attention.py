@@ -314,6 +314,14 @@ def test_gpu_model_packed_matches_fp32_per_example(tiny_llama_config, backend):
     assert (out.float() - ref).abs().max().item() <= 2 * base_err + 1e-4
 
 
+def test_flash_attn_on_a_cpu_names_backends_that_work_here():
+    from lit_packing.models.attention import resolve_backend
+
+    with pytest.raises(ValueError, match=r"model\.attn_backend=auto .*cpu_varlen") as error:
+        resolve_backend("flash_attn", "cpu")
+    assert "pip install" not in str(error.value)  # installing cannot help without a GPU
+
+
 def _bf16_cpu_varlen(q, k, v, *args, **kwargs):
     """The exact CPU kernel run the way the GPU kernels run fp32 activations: cast to bf16 by `_half`."""
     out = attention._cpu_varlen(*(attention._half(x, "bf16_cpu_varlen") for x in (q, k, v)), *args, **kwargs)

@@ -4,6 +4,7 @@ accumulation; validation agrees packed vs padded; the guards stop contaminated b
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 
@@ -360,7 +361,12 @@ def test_export_full_model_reloads(tiny_llama_config, tmp_path):
     from transformers import AutoModelForCausalLM
 
     lm = make_lm(tiny_llama_config)
-    lm.export(str(tmp_path))
+    umask = os.umask(0o022)
+    try:
+        lm.export(str(tmp_path))
+    finally:
+        os.umask(umask)
+    assert oct((tmp_path / "model.safetensors").stat().st_mode & 0o777) == oct(0o644)  # readable like its folder
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert reloaded.config._attn_implementation in ("sdpa", "eager")  # our backend is not baked into the export
     batch = PackedCollator()(make_examples(LENGTHS[:2]))

@@ -1,0 +1,114 @@
+"""What a new user sees and gets on disk: piped progress lines, one bounded checkpoint, no W&B folder for a run
+that never trained, the config as nested keys in the run's folder, validation at the end of a `max_steps` run."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from lightning.pytorch import Trainer
+
+from lit_packing.callbacks.progress import ProgressLog, StepProgressBar, progress_callback
+from lit_packing.cli import cli_main
+
+QUICKSTART = str(Path(__file__).parents[2] / "configs" / "quickstart.yaml")
+TINY = {
+    "model_type": "llama", "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 8192, "tie_word_embeddings": True,
+}  # fmt: skip
+SMALL = [f"--model.model_config={json.dumps(TINY)}", "--data.limit=64", "--data.max_length=512"]
+
+
+def fit(*extra: str):
+    return cli_main(["fit", "--config", QUICKSTART, *SMALL, *extra])
+
+
+def test_quickstart_run_prints_steps_validates_at_the_end_and_keeps_one_checkpoint(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    saves, save = [], Trainer.save_checkpoint
+
+    def recording_save(trainer, path, *args, **kwargs):
+        saves.append((path, trainer.global_step))
+        return save(trainer, path, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "save_checkpoint", recording_save)
+    cli = fit("--trainer.max_steps=4")  # the quickstart's val_check_interval 0.5: steps 2 and 4
+    out = capsys.readouterr().out
+    assert isinstance(cli.trainer.progress_bar_callback, ProgressLog)  # pytest's stdout is not a terminal
+    steps = [line.split()[1] for line in out.splitlines() if line.startswith("step ")]
+    assert steps == ["1/4", "2/4", "3/4", "4/4"]
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("validation")] == [
+        "validation at step 2",
+        "validation at step 4",
+    ]
+    last = next(line for line in out.splitlines() if line.startswith("step 4/4"))
+    assert "train/loss" in last and "tok/s" in last and "eta 0:00:00" in last
+    assert "\x1b[" not in out  # no colour codes in piped output
+    monitor = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "TokenThroughputMonitor")
+    tok_s = float(last.split("tok/s ")[1].split()[0].replace(",", ""))
+    assert tok_s == pytest.approx(monitor.totals["real_tokens"] / monitor.train_seconds, rel=1e-3)
+
+    assert sorted(p.name for p in (tmp_path / "runs" / "checkpoints").iterdir()) == ["last.ckpt"]
+    assert saves == [("runs/checkpoints/last.ckpt", 2), ("runs/checkpoints/last.ckpt", 4)]  # resumable mid-run
+    run_dir = tmp_path / "runs" / "quickstart" / "version_0"
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["trainer"]["max_steps"] == 4
+    hparams = yaml.full_load((run_dir / "hparams.yaml").read_text())  # the model hparams hold a tuple
+    assert hparams["data"]["val_split"] == 0.02  # nested keys, not one JSON string
+    assert len(list((tmp_path / "runs" / "wandb").glob("offline-run-*"))) == 1
+
+    fit("--trainer.max_steps=2")  # a second fit replaces the checkpoint and gets its own run folder
+    assert sorted(p.name for p in (tmp_path / "runs" / "checkpoints").iterdir()) == ["last.ckpt"]
+    assert (tmp_path / "runs" / "quickstart" / "version_1" / "config.yaml").exists()
+
+
+def test_a_run_that_fails_before_training_leaves_no_wandb_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"data\.val_split=64 examples leaves no training data out of 64"):
+        fit("--data.val_split=64")
+    assert not (tmp_path / "runs" / "wandb").exists()
+    assert not (tmp_path / "runs" / "checkpoints").exists()
+
+
+def test_an_explicit_interval_longer_than_the_epoch_names_the_settings(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"trainer\.val_check_interval=500 batches .* fraction .*data\.val_split"):
+        fit("--trainer.val_check_interval=500", "--trainer.logger=false")
+
+
+def test_lora_checkpoint_holds_only_the_adapters_and_resumes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    lora = json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    logger = "--trainer.logger=false"
+    cli = fit(f"--model.lora={lora}", "--trainer.max_steps=2", logger)
+    checkpoint = torch.load(tmp_path / "runs" / "checkpoints" / "last.ckpt", weights_only=False)
+    trainable = {name for name, p in cli.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+    assert set(checkpoint["state_dict"]) == trainable  # no frozen base weights (this model has no buffers saved)
+    # Lightning counts an epoch that max_steps ended as finished: a second epoch continues from step 2.
+    more = ["--trainer.max_steps=3", "--trainer.max_epochs=2", "--ckpt_path=runs/checkpoints/last.ckpt"]
+    resumed = fit(f"--model.lora={lora}", logger, *more)  # loads without the frozen weights (strict_loading off)
+    assert resumed.trainer.global_step == 3
+
+
+def test_the_progress_bar_counts_the_steps_the_run_will_take(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    class Terminal:
+        def isatty(self):
+            return True
+
+    assert isinstance(progress_callback(Terminal()), StepProgressBar)
+    totals = []
+
+    class Recording(StepProgressBar):
+        def on_train_epoch_start(self, trainer, *args):
+            super().on_train_epoch_start(trainer, *args)
+            totals.append((self.train_progress_bar.total, trainer.num_training_batches))
+
+    monkeypatch.setattr("lit_packing.cli.progress_callback", lambda: Recording())
+    fit("--trainer.max_steps=3", "--trainer.logger=false", "--trainer.enable_checkpointing=false")
+    (bar_total, epoch_batches) = totals[0]
+    assert bar_total == 3 and epoch_batches > 3
