@@ -166,6 +166,9 @@ class TokenThroughputMonitor(pl.Callback):
             ("train time", f"{seconds:,.1f} s"),
             ("peak memory", f"{peak_memory_gb(pl_module.device):.2f} GiB"),
         ]
+        estimate = getattr(pl_module, "memory_estimate", None)  # PackedCausalLM's prediction, made before step 1
+        if estimate is not None:
+            rows.append(("predicted peak memory", f"{estimate.peak / 2**30:.2f} GiB"))
         for key in ("train/loss", "val/loss", "val/perplexity"):
             if key in metrics:
                 rows.append((key, f"{float(metrics[key]):.4f}"))

@@ -6,8 +6,9 @@
 What it adds to a plain `AutoModelForCausalLM`:
 - a varlen attention backend reading `cu_seq_lens_*` (see `attention.py`); padded batches run sdpa with their mask;
 - the loss computed here from the last hidden states chunk by chunk (the (T, V) logits are never built), as one
-  global mean over every gradient-accumulation micro-batch and
-  every data-parallel rank (`loss_normalization`), so packing never changes the gradient;
+  global mean over every gradient-accumulation micro-batch and every data-parallel rank (`loss_normalization`),
+  so packing never changes the gradient;
+- a memory estimate of the largest step before the first one (see `memory.py`);
 - a host-side check of every batch and an isolation self-test before the first step (see `isolation.py`);
 - validation metrics (`val/loss`, `val/perplexity`, `val/token_accuracy`) that packed and padded batches agree on.
 """
@@ -65,7 +66,7 @@ class PackedCausalLM(LightningModule):
         loss_impl: `chunked` (default): LM head + cross-entropy on `loss_chunk_size` label tokens at a time, never
             the (T, V) logits, exact; `full`: the model's full logits (the plain transformers way); `liger`:
             Liger-Kernel's fused linear cross-entropy (CUDA, `pip install lit_packing[liger]`, token loss only).
-        loss_chunk_size: label tokens per chunk of `chunked` (memory: ~12 bytes x chunk x vocabulary).
+        loss_chunk_size: label tokens per chunk of `chunked` (memory: ~16 bytes x chunk x vocabulary).
         memory_check: before the first step, predict the largest step's peak memory (logged as
             `train/predicted_peak_memory_gb`) and stop when it exceeds the device's (see `memory.py`).
         lr: peak learning rate (AdamW).

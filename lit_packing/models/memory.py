@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -166,6 +165,8 @@ def available_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    import psutil  # CPU only: the GPU check's image needs no extra package
+
     available = psutil.virtual_memory().available
     limit, usage = Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")
     if limit.exists() and usage.exists() and limit.read_text().strip().isdigit():
@@ -177,6 +178,8 @@ def resident_bytes(device: torch.device) -> int:
     """What the process holds now: CUDA allocated memory, or CPU resident memory."""
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device))
+    import psutil
+
     return int(psutil.Process(os.getpid()).memory_info().rss)
 
 
