@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--tokens", type=int, default=2048, help="token budget of a pack")
     parser.add_argument("--buckets", type=int, nargs="+", default=[1792, 2048])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--child", choices=["eager", "compiled"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

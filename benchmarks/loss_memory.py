@@ -111,16 +111,18 @@ def main() -> None:
         return
     common = ["--device", args.device, "--precision", args.precision]
     if args.quickstart:
-        rows = [(impl, "quickstart", run(["quickstart", impl, str(args.steps)] + common)) for impl in args.impls]
+        runs = [(impl, "quickstart", ["quickstart", impl, str(args.steps)]) for impl in args.impls]
     else:
-        rows = [(impl, t, run(["synthetic", impl, str(t)] + common)) for t in args.tokens for impl in args.impls]
-    print(f"{'loss_impl':>9} {'tokens':>10} {'peak GiB':>9} {'predicted':>9} {'pred/meas':>9} {'loss':>8}")
-    for impl, tokens, r in rows:
+        runs = [(impl, t, ["synthetic", impl, str(t)]) for t in args.tokens for impl in args.impls]
+    print(f"{'loss_impl':>9} {'tokens':>10} {'peak GiB':>9} {'predicted':>9} {'pred/meas':>9} {'loss':>8}", flush=True)
+    for impl, tokens, child_args in runs:  # each row as soon as it is measured
+        r = run(child_args + common)
         if "error" in r:
-            print(f"{impl:>9} {tokens!s:>10} failed: {r['error']}")
+            print(f"{impl:>9} {tokens!s:>10} failed: {r['error']}", flush=True)
             continue
         ratio = r["predicted"] / r["peak"]
-        print(f"{impl:>9} {tokens!s:>10} {r['peak']:9.2f} {r['predicted']:9.2f} {ratio:9.2f} {r['loss']:8.4f}")
+        row = f"{impl:>9} {tokens!s:>10} {r['peak']:9.2f} {r['predicted']:9.2f} {ratio:9.2f} {r['loss']:8.4f}"
+        print(row, flush=True)
 
 
 if __name__ == "__main__":
