@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU checks of lit_packing (one H200: about 3-5 minutes for the first three parts, the loss-memory comparison a few
-# more), from the repository root:
+# GPU checks of lit_packing (one H200: about 3-5 minutes for parts 1-2 below, a few more for part 3), from the
+# repository root:
 #
 #   bash benchmarks/gpu_check.sh            # the cuda-marked tests, then padding vs packing throughput
 #   bash benchmarks/gpu_check.sh --smoke    # the same wiring on CPU with a tiny model (seconds)
