@@ -36,7 +36,7 @@ MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "c
 
 
 def champ_like_lengths(n: int, seed: int, median: float = 940, p90: float = 1900, cap: int = 2048, low: int = 32):
-    """Lognormal lengths with CHAMP's median and p90 (ASSETS.md), clipped to [low, cap]."""
+    """Lognormal lengths with CHAMP's median and p90 (SmolLM2 tokens, chat template), clipped to [low, cap]."""
     sigma = math.log(p90 / median) / 1.2816  # z of the 90th percentile
     lengths = np.random.default_rng(seed).lognormal(math.log(median), sigma, n)
     return np.clip(lengths.round(), low, cap).astype(int).tolist()

@@ -13,12 +13,12 @@
 #    beside the memory estimate's prediction (benchmarks/loss_memory.py).
 #
 # Python: $PYTHON, else .venv/bin/python, else python3. lit_packing runs from the checkout (PYTHONPATH), nothing is
-# installed. The device machine's image has torch, transformers, lightning, torchmetrics and peft; the parts used here
-# (lit_packing.models, lit_packing.data.collate) do not import `datasets`. Should a package be missing, carry it as
-# wheels (see the device README), e.g.:
+# installed; it needs torch, transformers, lightning, torchmetrics and peft (the parts used here, lit_packing.models
+# and lit_packing.data.collate, do not import `datasets`). On a machine without an index, put wheels of a missing
+# package in .whl/, e.g.:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl NAME==VERSION
-# and `carry: [".whl"]`: this script installs .whl/*.whl into /tmp/site when the folder exists.
+# and this script installs .whl/*.whl into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,7 +36,7 @@ fi
 status=0
 echo "== environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-"$PYTHON" - <<'EOF' || { echo "lit_packing does not import: carry the missing package as wheels (see above)"; exit 1; }
+"$PYTHON" - <<'EOF' || { echo "lit_packing does not import: put the missing package's wheels in .whl/ (see above)"; exit 1; }
 import torch, transformers, lightning
 from lit_packing.models.attention import flash_attn_installed, resolve_backend
 print(f"torch {torch.__version__}, transformers {transformers.__version__}, lightning {lightning.__version__}")

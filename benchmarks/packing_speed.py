@@ -1,7 +1,9 @@
 """Planning speed and fill of the packing samplers, side by side with TRL's ``pack_dataset(strategy="bfd")``.
 
 For each dataset size, long-tailed lengths (lognormal, median 400 tokens, clipped to [16, --max-len]) are planned by
-BestFit, Sequential and FixedLength packing; the table shows the planning time (best of --repeats, after JIT),
+BestFit, Sequential and FixedLength packing, and by Multipack for --ranks ranks (its time includes dealing the packs
+to the ranks; a last table gives its straggler factor next to round-robin's); the table shows the planning time
+(best of --repeats, after JIT),
 the fill ``sum(L) / (packs * max_tokens)`` and packs relative to the lower bound ``ceil(sum(L) / max_tokens)``.
 TRL, when installed, packs a ``datasets.Dataset`` of the same lengths; only ``pack_dataset`` is timed.
 The numba compile time is reported separately: cold (a fresh cache directory, in a subprocess) and this run's
@@ -28,6 +30,7 @@ start = time.perf_counter()
 kernels.counting_sort(np.array([1, 0]), 2)
 kernels.best_fit_decreasing(np.array([2, 1]), 4)
 kernels.next_fit(np.array([2, 1]), 4)
+kernels.balance_steps(np.array([2.0, 1.0]), 2, 1)
 print(time.perf_counter() - start)
 """
 
@@ -53,19 +56,37 @@ def warm_up() -> tuple[float, str]:
     kernels.counting_sort(np.array([1, 0]), 2)
     kernels.best_fit_decreasing(np.array([2, 1]), 4)
     kernels.next_fit(np.array([2, 1]), 4)
+    kernels.balance_steps(np.array([2.0, 1.0]), 2, 1)
     seconds = time.perf_counter() - start
-    misses = sum(sum(k.stats.cache_misses.values()) for k in (kernels.counting_sort, kernels.next_fit))
+    kernels_used = (kernels.counting_sort, kernels.next_fit, kernels.balance_steps)
+    misses = sum(sum(k.stats.cache_misses.values()) for k in kernels_used)
     return seconds, "compiled (cache was empty)" if misses else "loaded from numba cache"
 
 
 def time_sampler(cls, lengths: np.ndarray, max_tokens: int, repeats: int, **kwargs) -> tuple[float, int]:
+    """Best time to build the sampler and plan epoch 0 (and, given ``world_size``, deal it to the ranks)."""
     best, n_packs = float("inf"), 0
     for _ in range(repeats):
         start = time.perf_counter()
         sampler = cls(lengths, max_tokens=max_tokens, **kwargs)
         n_packs = len(sampler.plan(0))
+        if "world_size" in kwargs:
+            sampler.schedule(0)
         best = min(best, time.perf_counter() - start)
     return best, n_packs
+
+
+def straggler_factors(lengths: np.ndarray, max_tokens: int, world_size: int) -> tuple[float, float]:
+    """Round-robin best fit vs multipack, costed with SmolLM2-135M's training FLOPs."""
+    from lit_packing.callbacks.throughput import SMOLLM2_135M_SHAPE, flop_coefficients
+    from lit_packing.samplers import BestFitPackingSampler, MultipackSampler, pack_costs, straggler_factor
+
+    coefficients = flop_coefficients(SMOLLM2_135M_SHAPE)
+    samplers = (
+        BestFitPackingSampler(lengths, max_tokens, world_size=world_size),
+        MultipackSampler(lengths, max_tokens, cost_coefficients=coefficients, world_size=world_size),
+    )
+    return tuple(straggler_factor(s, pack_costs(s.plan(0), coefficients)) for s in samplers)
 
 
 def time_trl(lengths: np.ndarray, max_tokens: int) -> tuple[float, int]:
@@ -91,11 +112,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-len", type=int, default=4096, help="longest example (lengths are clipped to it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="planning time is the best of this many runs")
+    parser.add_argument("--ranks", type=int, default=64, help="world size Multipack plans and deals for")
     parser.add_argument("--max-trl", type=int, default=100_000, help="skip TRL above this many examples")
     parser.add_argument("--no-cold-jit", action="store_true", help="skip measuring the compile with an empty cache")
     args = parser.parse_args(argv)
 
-    from lit_packing.samplers import BestFitPackingSampler, FixedLengthPackingSampler, SequentialPackingSampler
+    from lit_packing.callbacks.throughput import SMOLLM2_135M_SHAPE, flop_coefficients
+    from lit_packing.samplers import (
+        BestFitPackingSampler,
+        FixedLengthPackingSampler,
+        MultipackSampler,
+        SequentialPackingSampler,
+    )
 
     try:
         import trl  # noqa: F401
@@ -113,6 +141,11 @@ def main(argv: list[str] | None = None) -> None:
         ("BestFit (ours)", BestFitPackingSampler, {}),
         ("Sequential next-fit (ours)", SequentialPackingSampler, {}),
         ("FixedLength (ours)", FixedLengthPackingSampler, {}),
+        (
+            f"Multipack, {args.ranks} ranks (ours)",
+            MultipackSampler,
+            {"world_size": args.ranks, "cost_coefficients": flop_coefficients(SMOLLM2_135M_SHAPE)},
+        ),
     ]
     header = f"| {'examples':>9} | {'max_tokens':>10} | {'strategy':<26} | {'plan ms':>8} | {'fill':>6} | "
     header += f"{'packs':>8} | {'lower bd':>8} | {'packs/LB':>8} |"
@@ -139,6 +172,15 @@ def main(argv: list[str] | None = None) -> None:
                 )
     if not has_trl:
         print("\n(trl not installed: TRL rows skipped)")
+
+    print(f"\nstraggler factor at {args.ranks} ranks (SmolLM2-135M FLOPs; slowest rank / mean rank, summed over steps)")
+    print(f"| {'examples':>9} | {'max_tokens':>10} | {'round-robin':>11} | {'multipack':>9} |")
+    print(f"|{'-' * 11}|{'-' * 12}|{'-' * 13}|{'-' * 11}|")
+    for n in args.sizes:
+        lengths = long_tailed(n, args.seed, args.max_len)
+        for max_tokens in args.max_tokens:
+            round_robin, multipack = straggler_factors(lengths, max_tokens, args.ranks)
+            print(f"| {n:>9,} | {max_tokens:>10,} | {round_robin:>11.3f} | {multipack:>9.3f} |")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
 
 For the configured data (source, tokenizer, max_length) it prints, per strategy, steps per epoch, real and slot
 tokens, padding ratio, fill, examples per step, attention cost (sum L^2 packed vs rows * max(L)^2 padded) and
-planning time, and writes `packing_report.png` (a histogram of example lengths and of pack fill).
+planning time, and writes `packing_report.png` (a histogram of example lengths and of pack fill). A second table
+shows, at 2, 8 and 64 data-parallel ranks, the straggler factor (`straggler_factor`: slowest rank's compute over the
+mean rank's, summed over optimizer steps) of best-fit packs dealt round-robin vs `MultipackSampler`.
 """
 
 from __future__ import annotations
@@ -21,15 +23,21 @@ from jsonargparse import ArgumentParser
 from rich.console import Console
 from rich.table import Table
 
+from lit_packing.callbacks.throughput import SMOLLM2_135M_SHAPE, flop_coefficients
 from lit_packing.data import PackingDataModule
 from lit_packing.samplers import (
     BestFitPackingSampler,
     FixedLengthPackingSampler,
     LengthGroupedSampler,
+    MultipackSampler,
     PackPlan,
     RandomBatchSampler,
     SequentialPackingSampler,
+    pack_costs,
+    straggler_factor,
 )
+
+STRAGGLER_RANKS = (2, 8, 64)
 
 
 @dataclass
@@ -99,6 +107,46 @@ def report(lengths: np.ndarray, batch_size: int, max_tokens: int) -> list[PlanSt
     return rows
 
 
+@dataclass
+class StragglerRow:
+    """Straggler factors of one world size: best-fit packs dealt round-robin vs multipack, and multipack's plan time."""
+
+    world_size: int
+    steps: int  # optimizer steps per epoch
+    round_robin: float
+    multipack: float
+    plan_seconds: float
+
+
+def straggler_rows(
+    lengths: np.ndarray, max_tokens: int, accumulate: int = 1, world_sizes: tuple[int, ...] = STRAGGLER_RANKS
+) -> list[StragglerRow]:
+    """Compute balance across ranks, costed with SmolLM2-135M's training FLOPs (``a * L + b * L^2`` per example)."""
+    coefficients = flop_coefficients(SMOLLM2_135M_SHAPE)
+    rows = []
+    for world_size in world_sizes:
+        round_robin = BestFitPackingSampler(lengths, max_tokens, world_size=world_size)
+        start = time.perf_counter()
+        multipack = MultipackSampler(lengths, max_tokens, cost_coefficients=coefficients, world_size=world_size)
+        multipack.accumulate = round_robin.accumulate = accumulate
+        micro_steps = len(multipack)
+        seconds = time.perf_counter() - start
+        factors = [straggler_factor(s, pack_costs(s.plan(), coefficients)) for s in (round_robin, multipack)]
+        rows.append(StragglerRow(world_size, -(-micro_steps // accumulate), *factors, seconds))
+    return rows
+
+
+def render_stragglers(rows: list[StragglerRow], title: str) -> Table:
+    table = Table(title=title)
+    for column in ("ranks", "optimizer steps", "round-robin (best fit)", "multipack", "multipack plan s"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(
+            f"{r.world_size}", f"{r.steps:,}", f"{r.round_robin:.3f}", f"{r.multipack:.3f}", f"{r.plan_seconds:.3f}"
+        )
+    return table
+
+
 def render(rows: list[PlanStats], title: str) -> Table:
     table = Table(title=title)
     for column in ("strategy", "steps", "real tok", "slot tok", "padding", "fill", "ex/step mean", "ex/step max",
@@ -153,13 +201,22 @@ def main(argv: list[str] | None = None) -> list[PlanStats]:
     parser.add_argument("--config", type=Path, required=True, help="a YAML of configs/ (its `data:` section is used)")
     parser.add_argument("--batch_size", type=int, default=8, help="examples per step for the mini-batch strategies")
     parser.add_argument("--max_tokens", type=int, default=None, help="token budget (default: the config's)")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-steps per optimizer step (stragglers)")
     parser.add_argument("--out", type=Path, default=Path("packing_report.png"), help="where the PNG goes")
     args = parser.parse_args(argv)
     lengths, budget = load_lengths(args.config)
     max_tokens = args.max_tokens or budget
     rows = report(lengths, args.batch_size, max_tokens)
     title = f"{args.config}: {len(lengths):,} examples, batch_size={args.batch_size}, max_tokens={max_tokens:,}"
-    Console(width=max(Console().width, 150)).print(render(rows, title))
+    console = Console(width=max(Console().width, 150))
+    console.print(render(rows, title))
+    console.print(
+        render_stragglers(
+            straggler_rows(lengths, max_tokens, args.accumulate),
+            f"straggler factor (slowest rank / mean rank, SmolLM2-135M FLOPs per optimizer step), "
+            f"max_tokens={max_tokens:,}, accumulate={args.accumulate}",
+        )
+    )
     plot(lengths, rows, args.out)
     print(f"wrote {args.out}")
     return rows

@@ -1,10 +1,12 @@
 """The packing report runs on real CHAMP data and its numbers are consistent across strategies."""
 
+import math
+
 import numpy as np
 import pytest
 
-from lit_packing.inspect import main, plan_stats
-from lit_packing.samplers import PackPlan
+from lit_packing.inspect import STRAGGLER_RANKS, load_lengths, main, plan_stats, straggler_rows
+from lit_packing.samplers import BestFitPackingSampler, PackPlan
 
 
 def test_report_on_champ(tmp_path, capsys):
@@ -23,7 +25,25 @@ def test_report_on_champ(tmp_path, capsys):
     assert by_name["mini-batch packing"].steps == by_name["padding (random batches)"].steps
     assert by_name["mini-batch packing"].attn_cost < by_name["padding (random batches)"].attn_cost
     assert (tmp_path / "r.png").stat().st_size > 10_000
-    assert "best-fit packing" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "best-fit packing" in printed and "straggler factor" in printed and "round-robin (best fit)" in printed
+
+
+def test_straggler_rows_on_champ(tmp_path):
+    """On real CHAMP lengths (cut at 4,096 tokens) multipack balances ranks better than round-robin dealing."""
+    config = tmp_path / "c.yaml"
+    config.write_text("data:\n  limit: 1500\n  val_split: 8\n  max_length: 4096\n")
+    lengths, _ = load_lengths(config)
+    packs = len(BestFitPackingSampler(lengths, 8192).plan(0))
+    for accumulate in (1, 2):
+        rows = straggler_rows(lengths, 8192, accumulate)
+        assert [r.world_size for r in rows] == list(STRAGGLER_RANKS)
+        for r in rows:
+            micro_steps = math.ceil(packs / r.world_size)
+            assert r.steps == math.ceil(micro_steps / accumulate)
+            assert 1.0 <= r.multipack <= r.round_robin, r
+        eight = rows[1]
+        assert eight.round_robin > 1.05 and eight.multipack <= 1.03, eight
 
 
 def test_plan_stats_worked_example():

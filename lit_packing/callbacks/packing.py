@@ -34,7 +34,9 @@ class PackingMonitor(pl.Callback):
     Per optimizer step (`train/...`, summed over its gradient-accumulation micro-batches): `padding_ratio`
     (pad slots / slots), `packing_efficiency` (real / slots), `examples_per_step`, `real_tokens`, `label_tokens`,
     and the running totals `truncated_tokens` (cut by the data's overlong policy in the batches seen so far) and
-    `dropped_tokens` / `dropped_examples` (removed before sampling, from the data module's report). Per epoch:
+    `dropped_tokens` / `dropped_examples` (removed before sampling, from the data module's report), with the data
+    module's `bad_examples` (skipped under `data.on_bad_row=skip`), `duplicate_examples` and
+    `val_overlap_examples` (validation examples also in training). Per epoch:
     `train/epoch_padding_ratio`, `train/epoch_packing_efficiency`. With several ranks, at logging steps:
     `train/rank_token_imbalance` and `train/rank_attn_imbalance` (max / mean over ranks of real tokens and of
     attention cost sum(L^2)).
@@ -99,6 +101,9 @@ class PackingMonitor(pl.Callback):
         return {
             "train/dropped_tokens": float(report.dropped_overlong_tokens + report.dropped_no_label_tokens),
             "train/dropped_examples": float(report.dropped_overlong_examples + report.dropped_no_label_examples),
+            "train/bad_examples": float(report.bad_examples),
+            "train/duplicate_examples": float(report.duplicate_examples),
+            "train/val_overlap_examples": float(getattr(trainer.datamodule, "overlap_examples", 0)),
         }
 
     @staticmethod

@@ -45,16 +45,29 @@ def model_shape(model: torch.nn.Module) -> dict[str, int]:
     return {"matmul_params": params, "layers": config.num_hidden_layers, "attn_width": heads * head_dim}
 
 
-def train_flops(shape: dict[str, int], counts: dict[str, int]) -> float:
-    """FLOPs of one forward + backward on a batch: 6 * params * slot tokens + the attention it really costs.
+# SmolLM2-135M(-Instruct), as `model_shape` reads it (tied embeddings: the LM head counts once): the default shape
+# for compute-balanced packing when no model is attached. A test checks it against the packaged model's config.
+SMOLLM2_135M_SHAPE = {"matmul_params": 134_515_008, "layers": 30, "attn_width": 576}
 
-    Attention is 12 * layers * width per (query, key) pair (PaLM's convention), over `attn_cost` pairs: sum(L^2)
-    for a packed batch, rows * max(L)^2 for a padded one -- never T^2 for a packed row.
+
+def flop_coefficients(shape: dict[str, int]) -> tuple[float, float]:
+    """Training FLOPs (forward + backward) ``a`` per token and ``b`` per attended (query, key) pair of a model shape.
+
+    ``a = 6 * matmul_params`` (two FLOPs per multiply-add, backward twice forward) and ``b = 12 * layers * width``
+    (PaLM's convention: QK^T and AV, forward and backward). An example of L tokens costs ``a * L + b * L^2``.
+    SmolLM2-135M: ``a = 8.07e8``, ``b = 2.07e5``, so attention matches the matmuls at L = a / b = 3,892 tokens.
     """
-    return (
-        6.0 * shape["matmul_params"] * counts["slot_tokens"]
-        + 12.0 * shape["layers"] * shape["attn_width"] * counts["attn_cost"]
-    )
+    return 6.0 * shape["matmul_params"], 12.0 * shape["layers"] * shape["attn_width"]
+
+
+def train_flops(shape: dict[str, int], counts: dict[str, int]) -> float:
+    """FLOPs of one forward + backward on a batch: ``a`` * slot tokens + ``b`` * the attention it really costs.
+
+    ``(a, b) = flop_coefficients(shape)``; attention is counted over `attn_cost` (query, key) pairs: sum(L^2) for
+    a packed batch, rows * max(L)^2 for a padded one -- never T^2 for a packed row.
+    """
+    per_token, per_pair = flop_coefficients(shape)
+    return per_token * counts["slot_tokens"] + per_pair * counts["attn_cost"]
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -62,6 +75,24 @@ def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def data_rows(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, str]]:
+    """Summary rows for what the run skipped or changed: bad rows, drops, cuts, duplicates, non-finite steps."""
+    report = getattr(trainer.datamodule, "report", None) if trainer.datamodule is not None else None
+    rows = []
+    if report is not None:
+        rows += [
+            ("bad rows skipped", f"{report.bad_examples:,}"),
+            ("dropped overlong", f"{report.dropped_overlong_examples:,} ({report.dropped_overlong_tokens:,} tokens)"),
+            ("dropped, no label", f"{report.dropped_no_label_examples:,}"),
+            ("truncated", f"{report.truncated_examples:,} ({report.truncated_tokens:,} tokens cut)"),
+            ("duplicates", f"{report.duplicate_examples:,}"),
+            ("val also in train", f"{getattr(trainer.datamodule, 'overlap_examples', 0):,}"),
+        ]
+    if hasattr(pl_module, "nonfinite_steps"):
+        rows.append(("non-finite steps skipped", f"{pl_module.nonfinite_steps:,}"))
+    return rows
 
 
 class TokenThroughputMonitor(pl.Callback):
@@ -153,7 +184,8 @@ class TokenThroughputMonitor(pl.Callback):
             Console().print(self.summary_table(trainer, pl_module))
 
     def summary_table(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Table:
-        """Steps, examples, real tokens, padding, effective tokens/s, peak memory, final losses (this rank's data)."""
+        """Steps, examples, real tokens, padding, effective tokens/s, peak memory, final losses (this rank's data),
+        and what the data pipeline and the numerics guard skipped or changed (`data_rows`)."""
         totals, seconds = self.totals, max(self.train_seconds, 1e-9)
         metrics = trainer.callback_metrics
         rows = [
@@ -172,6 +204,7 @@ class TokenThroughputMonitor(pl.Callback):
         for key in ("train/loss", "val/loss", "val/perplexity"):
             if key in metrics:
                 rows.append((key, f"{float(metrics[key]):.4f}"))
+        rows += data_rows(trainer, pl_module)
         table = Table(title="lit_packing fit summary", show_header=False)
         for name, value in rows:
             table.add_row(name, value)

@@ -12,7 +12,9 @@ Packed (the paper's method). Lengths 4, 8, 5, 11 become one row of T = 28 tokens
 
 Key names are Hugging Face's (`transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True,
 return_seq_idx=True)` gives the same tensors), so the batch also runs through transformers' own flash-attention path.
-Every batch also carries `counts`: plain Python ints that callbacks and the loss read without a device sync.
+Every batch also carries host-side values that callbacks and the loss read without a device sync: `counts` (this
+micro-batch), `step` (the whole optimizer step it belongs to: every micro-batch on every rank, when the sampler
+knows it) and `rows` (each example's row in the source, for error messages and resume checks).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ MAX_LENGTH_Q = "max_length_q"
 MAX_LENGTH_K = "max_length_k"
 SEQ_IDX = "seq_idx"
 COUNTS = "counts"
+STEP = "step"
+ROWS = "rows"
+INDEX = "index"  # an example's row in the source dataset (a column of the tokenized data, and an item key)
 PACKED_KEYS = (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, SEQ_IDX)
 
 
@@ -65,6 +70,53 @@ def batch_counts(
         "sum_sq_lengths": int(sum(int(n) * int(n) for n in lengths)),
         "truncated_tokens": int(truncated_tokens),
     }
+
+
+class Pack(list):
+    """One micro-batch's items (dataset indices, slices, or the examples read for them) and its optimizer step.
+
+    `step` holds `{"label_tokens": int, "sequences": int}` summed over every micro-batch of the optimizer step on
+    every rank (None when unknown): the loss divides by it, so no rank needs to communicate to normalise.
+    """
+
+    def __init__(self, items=(), step: dict[str, int] | None = None) -> None:
+        super().__init__(items)
+        self.step = step
+
+
+def step_totals(label_tokens: Sequence[int]) -> dict[str, int]:
+    """The `step` entry from the label-token counts of every item (example or slice) of one optimizer step.
+
+    `label_tokens` normalises the token-mean loss, `sequences` (items with at least one label) the sequence mean.
+    """
+    counts = np.asarray(label_tokens, dtype=np.int64)
+    return {"label_tokens": int(counts.sum()), "sequences": int((counts > 0).sum())}
+
+
+def attach_step(batches: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Give every micro-batch of one optimizer step the step's `step` totals (for hand-built loaders and tests).
+
+    On one rank this is all the loss needs; with several ranks, pass every rank's micro-batches of the step.
+    """
+    step = step_totals([n for batch in batches for n in _item_label_tokens(batch)])
+    return [{**batch, STEP: step} for batch in batches]
+
+
+def _host_entries(examples: list[dict[str, Any]]) -> dict[str, Any]:
+    """`rows` of the examples that know their source row, and the optimizer step's totals of a `Pack`."""
+    host: dict[str, Any] = {ROWS: [int(ex[INDEX]) for ex in examples if INDEX in ex]}
+    step = getattr(examples, "step", None)
+    if step is not None:
+        host[STEP] = step
+    return host
+
+
+def _item_label_tokens(batch: dict[str, Any]) -> list[int]:
+    """Label tokens of each example (packed: each `seq_idx` segment; padded: each row) of a collated batch."""
+    mask = batch[LABELS] != IGNORE_INDEX
+    if SEQ_IDX in batch:
+        return torch.bincount(batch[SEQ_IDX][mask].long()).tolist()
+    return mask.sum(dim=1).tolist()
 
 
 def _as_array(values: Any) -> np.ndarray:
@@ -115,6 +167,7 @@ class PackedCollator:
         self.row_length = row_length
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        host = _host_entries(examples)
         examples = [ex for ex in examples if len(ex[INPUT_IDS]) > 0]
         ids = [_as_array(ex[INPUT_IDS]) for ex in examples]
         lengths = [len(x) for x in ids]
@@ -157,6 +210,7 @@ class PackedCollator:
                 attn_cost=int((seg_lens * seg_lens).sum()),
                 truncated_tokens=sum(int(ex.get("truncated_tokens", 0)) for ex in examples),
             ),
+            **host,
         }
 
 
@@ -177,6 +231,7 @@ class PaddedCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        host = _host_entries(examples)
         examples = [ex for ex in examples if len(ex[INPUT_IDS]) > 0]
         lengths = [len(ex[INPUT_IDS]) for ex in examples] or [0]
         width = _padded_length(max(max(lengths), 1), self.pad_to_multiple_of, None)
@@ -205,4 +260,5 @@ class PaddedCollator:
                 attn_cost=rows * width * width,
                 truncated_tokens=sum(int(ex.get("truncated_tokens", 0)) for ex in examples),
             ),
+            **host,
         }

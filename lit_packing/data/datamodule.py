@@ -4,7 +4,9 @@
 
 `prepare_data` loads the source and tokenizes it into the `datasets` disk cache (once, on one process); `setup`
 runs the same steps, which now hit the cache, splits off the validation set and builds the datasets. Samplers and
-the collator are built late from factories, because the lengths and the pad id are only known then:
+the collator are built late from factories, because the lengths and the pad id are only known then. Every setting
+is range-checked in `__init__` (the sampler factories are built once on no data), so a bad value stops the CLI
+before any tokenization or model loading, with its full CLI path in the `ConfigError`:
 
     sampler(train_lengths, seed=seed)                 # a batch sampler: one pack of example indices per step
     collator(pad_token_id)                            # list of examples -> one batch
@@ -19,18 +21,39 @@ from typing import Any, Literal
 
 import datasets
 import numpy as np
+import pyarrow.compute as pc
 import torch
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Sampler
 
 from lit_packing.assets import resolve_pretrained
-from lit_packing.data.collate import PackedCollator, PaddedCollator
+from lit_packing.data.collate import INPUT_IDS, PackedCollator, PaddedCollator
 from lit_packing.data.sources import ChampChats, Source
-from lit_packing.data.tokenize import INDEX, TokenizationReport, TokenizedDataset, column, tokenize_dataset
-from lit_packing.samplers import BestFitPackingSampler
+from lit_packing.data.tokenize import (
+    INDEX,
+    ROW,
+    SAMPLES,
+    TOKEN_HASH,
+    OnBadRow,
+    TokenizationReport,
+    TokenizedDataset,
+    column,
+    tokenize_dataset,
+)
+from lit_packing.errors import ConfigError, DataError, check_range
+from lit_packing.samplers import BestFitPackingSampler, PlannedBatchSampler
 
 VALIDATION_SPLITS = ("validation", "test")  # a source's own split used for validation, first found
+
+
+def check_val_split(val_split: int | float) -> None:
+    """Range-check `data.val_split` on its own (a fraction in [0, 1) or a count >= 0); the data size is checked later
+    by `split_rows`."""
+    if isinstance(val_split, float):
+        check_range("data.val_split", val_split, 0, 1, high_open=True)
+    else:
+        check_range("data.val_split", val_split, 0)
 
 
 def split_rows(n: int, val_split: int | float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -52,6 +75,15 @@ def split_rows(n: int, val_split: int | float, seed: int) -> tuple[np.ndarray, n
         n_val = val_split
     order = np.random.default_rng(seed).permutation(n)
     return np.sort(order[n_val:]), np.sort(order[:n_val])
+
+
+def _init_args(factory: Callable) -> dict[str, Any]:
+    """The keyword arguments a factory (a `functools.partial`, as jsonargparse builds from a config) passes on."""
+    found: dict[str, Any] = {}
+    while isinstance(factory, functools.partial):
+        found = {**factory.keywords, **found}
+        factory = factory.func
+    return found
 
 
 def _accepts(factory: Callable, name: str) -> bool:
@@ -99,6 +131,9 @@ class PackingDataModule(LightningDataModule):
             tokenization; ignored when the source has its own `validation` (or `test`) split.
         limit: keep only this many examples of each split (a seeded random choice), for quick runs.
         seed: seed of the split, of `limit` and of the samplers (passed as `seed=` where the factory takes one).
+            A factory that takes `cost_coefficients` (`MultipackSampler`) and was not given them in the config
+            gets the attached model's `PackedCausalLM.cost_coefficients`; the training sampler gets
+            `trainer.accumulate_grad_batches` as its `accumulate`.
         num_workers: DataLoader worker processes.
         sampler: builds the training batch sampler from the lengths, e.g. `BestFitPackingSampler` or in YAML
             `{class_path: lit_packing.samplers.BestFitPackingSampler, init_args: {max_tokens: 8192}}`.
@@ -110,6 +145,9 @@ class PackingDataModule(LightningDataModule):
             by the classes so that jsonargparse builds a factory, not an instance).
         cache_dir: where `datasets` keeps the examples and their tokenization (None: its default cache).
         num_proc: processes for tokenization (`datasets.map`); None uses one, which is fastest on 2 cores.
+        on_bad_row: rows that cannot be trained (malformed lines, null or mistyped fields, unknown roles, no
+            assistant turn, empty answers, control characters): `error` (default) stops before training naming the
+            first rows; `skip` leaves them out and counts them (log, `train/bad_examples`, the fit summary).
     """
 
     def __init__(
@@ -129,10 +167,15 @@ class PackingDataModule(LightningDataModule):
         val_collator: Callable[[int], PackedCollator | PaddedCollator] | None = None,
         cache_dir: str | None = None,
         num_proc: int | None = None,
+        on_bad_row: OnBadRow = "error",
     ) -> None:
         super().__init__()
-        if limit is not None and limit < 1:
-            raise ValueError(f"limit={limit}: data.limit must be >= 1, or null for every example")
+        check_range("data.max_length", max_length, 2)
+        check_range("data.limit", limit, 1)
+        check_range("data.seed", seed, 0)
+        check_range("data.num_workers", num_workers, 0)
+        check_range("data.num_proc", num_proc, 1)
+        check_val_split(val_split)
         self.source = source if source is not None else ChampChats()
         self.tokenizer_name = tokenizer
         self.max_length = max_length
@@ -148,6 +191,11 @@ class PackingDataModule(LightningDataModule):
         self.val_collator = val_collator
         self.cache_dir = cache_dir
         self.num_proc = num_proc
+        self.on_bad_row = on_bad_row
+        for setting, factory in (("data.sampler", sampler), ("data.val_sampler", val_sampler)):
+            if factory is not None:
+                self._probe(setting, factory)
+        self.overlap_examples = 0  # validation examples whose tokens equal a training example's
         self._tokenizer = None
         self.train_dataset: TokenizedDataset | None = None
         self.val_dataset: TokenizedDataset | None = None
@@ -207,19 +255,66 @@ class PackingDataModule(LightningDataModule):
         else:
             train, val = self._split(train, train_report.examples_in)
             self.report = train_report
+        if not len(train):
+            raise DataError(
+                f"nothing to train on: all {len(val):,} kept examples are validation examples: lower data.val_split"
+            )
         self.train_dataset = TokenizedDataset(train)
         self.val_dataset = TokenizedDataset(val) if len(val) else None
         rank_zero_info(
             f"{self.source!r} with {self.tokenizer_name}: {self.report}; "
             f"{len(self.train_dataset):,} train / {len(val):,} validation examples"
         )
+        self._warn_about(train, val)
+
+    @property
+    def token_id_range(self) -> tuple[int, int]:
+        """(lowest, highest) token id in the training and validation data, over the Arrow files (no row loop)."""
+        lows, highs = [], []
+        for part in (self.train_dataset, self.val_dataset):
+            if part is not None:
+                found = pc.min_max(pc.list_flatten(part.dataset.data.column(INPUT_IDS)))
+                if found["min"].is_valid:
+                    lows.append(found["min"].as_py())
+                    highs.append(found["max"].as_py())
+        return (min(lows), max(highs)) if lows else (0, 0)
+
+    def name_rows(self, indices: list[int]) -> str:
+        """Training examples (their `index`, as `batch["rows"]` carries) named as the user counts them."""
+        table = self._require(self.train_dataset).dataset
+        where = dict(zip(column(table, INDEX).tolist(), column(table, ROW).tolist()))
+        return "; ".join(self.source.row_name(where[i]) if i in where else f"index {i}" for i in indices)
+
+    def _warn_about(self, train: datasets.Dataset, val: datasets.Dataset) -> None:
+        """Name what was skipped, dropped or duplicated, and validation examples that also appear in training."""
+        report, name = self.report, self.source.row_name
+        for kind, what in (("bad", "bad rows skipped (data.on_bad_row=skip)"), ("duplicate", "duplicate examples")):
+            if report.samples.get(kind):
+                count = report.bad_examples if kind == "bad" else report.duplicate_examples
+                rank_zero_warn(f"{count:,} {what}, first {report.named(kind, name)}")
+        if len(val):
+            seen = np.isin(column(val, TOKEN_HASH), column(train, TOKEN_HASH))
+            self.overlap_examples = int(seen.sum())
+            if self.overlap_examples:
+                rows = ", ".join(name(int(r)) for r in column(val, ROW)[seen][:SAMPLES])
+                rank_zero_warn(
+                    f"{self.overlap_examples:,} of {len(val):,} validation examples also appear in training "
+                    f"(duplicates in the data; first {rows}): validation loss overstates generalisation; "
+                    f"deduplicate the source"
+                )
 
     def train_dataloader(self) -> DataLoader:
+        dataset = self._require(self.train_dataset)
         self.train_sampler = self._build_sampler(self.sampler, self.train_lengths)
+        if isinstance(self.train_sampler, PlannedBatchSampler):
+            # Every pack carries its optimizer step's label totals, so the loss needs no communication.
+            self.train_sampler.label_counter = dataset.count_labels
+            if self.trainer is not None:
+                self.train_sampler.accumulate = self.trainer.accumulate_grad_batches
         if self._sampler_state is not None:
             self.train_sampler.load_state_dict(self._sampler_state)
             self._sampler_state = None
-        return self._loader(self._require(self.train_dataset), self.train_sampler, self.collator)
+        return self._loader(dataset, self.train_sampler, self.collator)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
@@ -233,16 +328,23 @@ class PackingDataModule(LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         """`python main.py test`: the held-out examples, i.e. the validation split (no third split is kept)."""
         if self.val_dataset is None:
-            raise ValueError(
-                "no held-out examples to test on: set data.val_split > 0 (or use a source with a validation split)"
+            raise ConfigError(
+                "data.val_split",
+                "no held-out examples to test on",
+                "set it > 0 (or use a source with a validation split)",
             )
         return self.val_dataloader()
 
     def state_dict(self) -> dict[str, Any]:
-        """The training sampler's position (epoch, seed, batches yielded), for mid-epoch resume."""
-        if self.train_sampler is not None and hasattr(self.train_sampler, "state_dict"):
-            return {"train_sampler": self.train_sampler.state_dict()}
-        return {}
+        """The training sampler's position, saved in every checkpoint (Lightning calls this): the micro-batches of
+        the epoch that were TRAINED (Lightning's count, never what the DataLoader's workers prefetched), the
+        epoch, the seed, the layout (world size, accumulation) and the plan's identity."""
+        if self.train_sampler is None or not hasattr(self.train_sampler, "state_dict"):
+            return {}
+        if isinstance(self.train_sampler, PlannedBatchSampler) and self.trainer is not None:
+            trained = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            return {"train_sampler": self.train_sampler.state_dict(steps_done=trained)}
+        return {"train_sampler": self.train_sampler.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore `state_dict()`: applied to the training sampler now, or when `train_dataloader` builds it."""
@@ -257,20 +359,23 @@ class PackingDataModule(LightningDataModule):
     def _tokenize(self) -> dict[str, tuple[datasets.Dataset, TokenizationReport]]:
         """`{"train": (tokenized, report)}`, plus `"validation"` when the source has its own split."""
         parts = self._raw_splits(self.source.load(cache_dir=self.cache_dir))
-        return {
-            name: tokenize_dataset(
-                self._limited(raw), self.tokenizer, self.max_length, self.overlong, self.train_on, self.num_proc
-            )
-            for name, raw in parts.items()
-        }
+        tokenized = {}
+        for name, raw in parts.items():
+            subset, rows = self._limited(raw)
+            tokenized[name] = tokenize_dataset(
+                subset, self.tokenizer, self.max_length, self.overlong, self.train_on, self.num_proc,
+                on_bad_row=self.on_bad_row, rows=rows, row_name=self.source.row_name,
+            )  # fmt: skip
+        return tokenized
 
     def _raw_splits(self, loaded: datasets.Dataset | datasets.DatasetDict) -> dict[str, datasets.Dataset]:
         if not isinstance(loaded, datasets.DatasetDict):
             return {"train": loaded}
         if "train" not in loaded:
-            raise ValueError(
-                f"{self.source!r} has splits {sorted(loaded)} but no 'train': choose one with the source's split "
-                f"option (data.source.init_args.split)"
+            raise ConfigError(
+                "data.source.init_args.split",
+                f"{self.source!r} has splits {sorted(loaded)} but no 'train'",
+                "choose one",
             )
         parts = {"train": loaded["train"]}
         for name in VALIDATION_SPLITS:
@@ -279,11 +384,12 @@ class PackingDataModule(LightningDataModule):
                 break
         return parts
 
-    def _limited(self, dataset: datasets.Dataset) -> datasets.Dataset:
+    def _limited(self, dataset: datasets.Dataset) -> tuple[datasets.Dataset, np.ndarray | None]:
+        """A seeded random `limit` of the examples, with their rows in the source (None: all of them)."""
         if self.limit is None or self.limit >= len(dataset):
-            return dataset
+            return dataset, None
         rows = np.sort(np.random.default_rng(self.seed).permutation(len(dataset))[: self.limit])
-        return dataset.select(rows)
+        return dataset.select(rows), rows
 
     def _split(self, tokenized: datasets.Dataset, n_examples: int) -> tuple[datasets.Dataset, datasets.Dataset]:
         """Split by each example's row in the source (`index`), so drops never move an example across splits."""
@@ -291,9 +397,21 @@ class PackingDataModule(LightningDataModule):
         is_val = np.isin(column(tokenized, INDEX), val_rows)
         return tokenized.select(np.flatnonzero(~is_val)), tokenized.select(np.flatnonzero(is_val))
 
+    def _probe(self, setting: str, factory: Callable) -> None:
+        """Build the sampler once on no data, so its own checks run now; name the setting that failed."""
+        try:
+            self._build_sampler(factory, np.zeros(0, dtype=np.int64))
+        except ValueError as error:
+            name = next((key for key in _init_args(factory) if key in str(error)), None)
+            raise ConfigError(f"{setting}.init_args.{name}" if name else setting, str(error)) from None
+
     def _build_sampler(self, factory: Callable, lengths: np.ndarray, **kwargs: Any) -> Sampler:
         if _accepts(factory, "seed"):
             kwargs["seed"] = self.seed
+        model = self.trainer.lightning_module if self.trainer is not None else None
+        wanted = _accepts(factory, "cost_coefficients") and _init_args(factory).get("cost_coefficients") is None
+        if wanted and hasattr(model, "cost_coefficients"):
+            kwargs["cost_coefficients"] = model.cost_coefficients  # balance ranks by this model's FLOPs
         return factory(lengths, **kwargs)
 
     def _loader(self, dataset: TokenizedDataset, sampler: Sampler, collator: Callable) -> DataLoader:

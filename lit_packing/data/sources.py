@@ -9,7 +9,8 @@ Shapes (columns), detected by `example_shape`:
     text               text: str
 
 Every source is a plain class chosen in YAML by `class_path` (`data.source`), with a `load(cache_dir)` that returns a
-`datasets.Dataset` (or a `datasets.DatasetDict` when the source has its own splits) and a stable `fingerprint`.
+`datasets.Dataset` (or a `datasets.DatasetDict` when the source has its own splits), a stable `fingerprint` and
+`row_name(row)`, how a user finds row `row` (`line 17 of chats.jsonl`, `row 16 of ChampChats()`).
 Packaged sources read files shipped in PyPI packages (located with `package_file`, never imported) and build their
 Dataset with `Dataset.from_generator`, so the result lives in Arrow files that later `.map` calls cache next to.
 """
@@ -21,7 +22,9 @@ import hashlib
 import importlib.metadata
 import json
 import re
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from itertools import islice
 from pathlib import Path
 from typing import Literal
 
@@ -29,28 +32,91 @@ import datasets
 from datasets import Features, List, Value
 
 from lit_packing.assets import package_file
+from lit_packing.errors import ConfigError, DataError
 
 CHAT = "chat"
 PROMPT_COMPLETION = "prompt_completion"
 TEXT = "text"
 SHAPE_COLUMNS = {CHAT: ("messages",), PROMPT_COMPLETION: ("prompt", "completion"), TEXT: ("text",)}
+ROLES = ("system", "user", "assistant")
+# Optional columns a source may add: the row as the user counts it (a file's line number), and why a row it could
+# not read is bad (empty for good rows). `tokenize_dataset` reads both.
+LINE = "_line"
+PROBLEM = "_problem"
 
 _MESSAGES = List({"role": Value("string"), "content": Value("string")})
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # C0 controls and DEL; tab, newline, CR are text
 
 
 def example_shape(column_names: list[str], knob: str = "data.source") -> str:
     """Which shape a dataset's columns hold: `chat`, `prompt_completion` or `text` (checked in that order).
 
     Raises:
-        ValueError: naming the columns found and the `knob` that maps them (e.g. `HFDataset(field_map=...)`).
+        DataError: naming the columns found and the `knob` that maps them (e.g. `data.source.init_args.field_map`).
     """
     for shape, needed in SHAPE_COLUMNS.items():
         if all(column in column_names for column in needed):
             return shape
-    raise ValueError(
+    raise DataError(
         f"no known example shape in columns {sorted(column_names)}: need `messages` (chat), `prompt` + `completion`, "
         f"or `text`; rename yours with {knob}, e.g. field_map: {{question: prompt, answer: completion}}"
     )
+
+
+def example_problem(shape: str, example: dict) -> str:
+    """What makes one example untrainable, or "" when it is fine: nulls, wrong types, unknown roles, a chat with no
+    assistant turn, empty turns or completions, control characters.
+
+    `example_problem("chat", {"messages": [{"role": "user", "content": "Hi"}]})` -> `"no assistant turn"`.
+    """
+    if shape == CHAT:
+        return _chat_problem(example.get("messages"))
+    if shape == PROMPT_COMPLETION:
+        return _text_problem("prompt", example.get("prompt"), allow_empty=True) or _text_problem(
+            "completion", example.get("completion")
+        )
+    return _text_problem("text", example.get("text"))
+
+
+def _text_problem(name: str, value: object, allow_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        return f"{name} is {_kind(value)}, not a string"
+    if not allow_empty and not value.strip():
+        return f"{name} is empty"
+    found = _CONTROL.search(value)
+    return f"{name} holds control character U+{ord(found.group()):04X} at {found.start()}" if found else ""
+
+
+def _chat_problem(messages: object) -> str:
+    if not isinstance(messages, list) or not messages:
+        return f"messages is {_kind(messages)}, not a list of {{role, content}} turns"
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f"messages[{i}] is {_kind(message)}, not a {{role, content}} object"
+        role = message.get("role")
+        if role not in ROLES:
+            return f"messages[{i}] has role {role!r}: use one of {', '.join(ROLES)}"
+        problem = _text_problem(f"messages[{i}] ({role}) content", message.get("content"), role == "system")
+        if problem:
+            return problem
+    if not any(message["role"] == "assistant" for message in messages):
+        return "no assistant turn"
+    return ""
+
+
+_JSON_KINDS = {
+    bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object",
+}  # fmt: skip
+
+
+def _kind(value: object) -> str:
+    """A JSON value as a message names it: `null (or missing)`, `an empty list`, `a number (5)`."""
+    if value is None:
+        return "null (or missing)"
+    kind = _JSON_KINDS.get(type(value), f"a {type(value).__name__}")
+    if isinstance(value, (list, dict, str)) and not value:
+        return f"an empty {kind.split()[-1]}"
+    return f"{kind} ({json.dumps(value, default=str)[:40]})"
 
 
 def _hash(*parts: object) -> str:
@@ -77,6 +143,10 @@ class Source:
     def load(self, cache_dir: str | None = None) -> datasets.Dataset | datasets.DatasetDict:
         """The examples, Arrow-backed (`cache_dir`: where datasets keeps them; None for its default cache)."""
         raise NotImplementedError
+
+    def row_name(self, row: int) -> str:
+        """How a user finds row `row` (a value of the tokenized `row` column): `row 16 of ChampChats()`."""
+        return f"row {row:,} of {self!r}"
 
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
@@ -182,6 +252,8 @@ def _chatterbot(folder: str) -> Iterator[dict]:
 
     for path in sorted(Path(folder).glob("*.yml")):
         for turns in yaml.safe_load(path.read_text()).get("conversations") or []:
+            if not isinstance(turns, list):  # one trivia entry is a bare string (a YAML slip): not a dialogue
+                continue
             roles = ("user", "assistant") * len(turns)
             messages = [{"role": role, "content": str(turn)} for role, turn in zip(roles, turns)]
             if len(messages) % 2:  # a trailing user turn has nothing to answer it
@@ -191,12 +263,14 @@ def _chatterbot(folder: str) -> Iterator[dict]:
 
 
 class Chatterbot(Source):
-    """Chatterbot's English corpus: 2,026 short dialogues (turns alternate user / assistant), chat shape.
+    """Chatterbot's English corpus: 2,025 short dialogues (turns alternate user / assistant), chat shape.
 
-    Extremely short examples (median ~30 tokens): the worst case for padding. Needs
-    `pip install --no-deps chatterbot-corpus==1.3.3` (and pyyaml).
+    Extremely short examples (median ~30 tokens): the worst case for padding. One entry of `trivia.yml` is a bare
+    string rather than a list of turns and is left out. Needs `pip install --no-deps chatterbot-corpus==1.3.3`
+    (and pyyaml).
     """
 
+    version = "2"
     packages = ("chatterbot-corpus",)
 
     def load(self, cache_dir: str | None = None) -> datasets.Dataset:
@@ -270,12 +344,77 @@ class StateOfTheUnion(Source):
 # ---------------------------------------------------------------- Anything `datasets` reads
 
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+_SHAPE_VOTES = 1000  # records read to decide a JSON file's shape before the full pass
+_SHAPE_FEATURES = {
+    CHAT: {"messages": _MESSAGES},
+    PROMPT_COMPLETION: {"prompt": Value("string"), "completion": Value("string")},
+    TEXT: {"text": Value("string")},
+}
+
+
+def json_records(path: str) -> Iterator[tuple[int, object, str]]:
+    """`(line, record, problem)` for each non-blank line of a JSON Lines file (or `(item, record, "")` for each
+    item of a file holding one JSON array); `problem` says why a line could not be read (`record` is then None)."""
+    with open(path, "rb") as lines:
+        if _is_json_array(path):
+            try:
+                items = json.load(lines)
+            except (UnicodeDecodeError, json.JSONDecodeError) as error:
+                raise DataError(f"{path} is not valid JSON ({error}): fix it, or write one object per line") from None
+            yield from ((number, item, "") for number, item in enumerate(items, 1))
+            return
+        yield from parse_json_lines(lines)
+
+
+def parse_json_lines(lines: Iterable[bytes]) -> Iterator[tuple[int, object, str]]:
+    """`(line number, record, problem)` for each non-blank line (bytes, as read from a file opened in binary)."""
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line.decode("utf-8")), ""
+        except UnicodeDecodeError as error:
+            yield number, None, f"not valid UTF-8 (byte 0x{line[error.start]:02x} at column {error.start + 1})"
+        except json.JSONDecodeError as error:
+            yield number, None, f"not valid JSON ({error.msg} at column {error.colno})"
+
+
+def _is_json_array(path: str) -> bool:
+    with open(path, "rb") as file:
+        head = file.read(4096).lstrip()
+    return head[:1] == b"["
+
+
+def _renamed(record: object, field_map: dict[str, str] | None) -> object:
+    if not field_map or not isinstance(record, dict):
+        return record
+    return {field_map.get(key, key): value for key, value in record.items()}
+
+
+def _normalized(shape: str, line: int, record: object, problem: str) -> dict:
+    """One Arrow row of `shape`: the record's fields (types checked), or empty fields and the problem."""
+    if not problem:
+        problem = "not a JSON object" if not isinstance(record, dict) else example_problem(shape, record)
+    row = {LINE: line, PROBLEM: problem}
+    if shape == CHAT:
+        messages = [] if problem else [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+        return {**row, "messages": messages}
+    return {**row, **{name: "" if problem else record[name] for name in SHAPE_COLUMNS[shape]}}
+
+
+def _json_rows(path: str, shape: str, field_map: dict[str, str] | None) -> Iterator[dict]:
+    for line, record, problem in json_records(path):
+        yield _normalized(shape, line, _renamed(record, field_map), problem)
 
 
 class HFDataset(Source):
     """Any local JSONL/JSON/Parquet/CSV file, a dataset saved with `save_to_disk`, or a Hub name.
 
     In YAML: `source: {class_path: HFDataset, init_args: {path: qa.jsonl, field_map: {q: prompt, a: completion}}}`.
+
+    A local JSON Lines (or JSON array) file is read line by line here, not by `datasets`' JSON builder, so that a
+    malformed line, bytes that are not UTF-8, or a field of the wrong type is kept as a bad row with its line number
+    (`data.on_bad_row` decides) instead of failing the whole file; only the shape's columns are kept.
 
     Args:
         path: a file (`.jsonl`, `.json`, `.parquet`, `.csv`), a `save_to_disk` folder, or anything
@@ -301,14 +440,53 @@ class HFDataset(Source):
         self.data_files = data_files
         self.field_map = field_map
 
+    def row_name(self, row: int) -> str:
+        """`line 17 of chats.jsonl` for a local JSON Lines file (`item 17` of a JSON array), else the source row."""
+        if self._reads_json_here():
+            return f"{'item' if _is_json_array(self.path) else 'line'} {row:,} of {self.path}"
+        return super().row_name(row)
+
     def load(self, cache_dir: str | None = None) -> datasets.Dataset | datasets.DatasetDict:
+        if self._reads_json_here():
+            loaded = self._read_json(cache_dir)
+            return loaded if self.split else datasets.DatasetDict(train=loaded)
         loaded = self._read(cache_dir)
         if self.field_map:
             loaded = loaded.rename_columns(self.field_map)
         parts = loaded.values() if isinstance(loaded, datasets.DatasetDict) else [loaded]
         for part in parts:
-            example_shape(part.column_names, knob=f"HFDataset({self.path!r}, field_map=...)")
+            example_shape(part.column_names, knob=f"data.source.init_args.field_map (source {self.path})")
+            if not len(part):
+                raise DataError(f"{self!r} holds no examples: point data.source.init_args.path at your data")
         return loaded
+
+    def _reads_json_here(self) -> bool:
+        local = Path(self.path)
+        return local.is_file() and local.suffix in (".jsonl", ".json") and self.split in (None, "train")
+
+    def _read_json(self, cache_dir: str | None) -> datasets.Dataset:
+        head = islice(json_records(self.path), _SHAPE_VOTES)
+        first = [(line, _renamed(record, self.field_map)) for line, record, _ in head]
+        if not first:
+            raise DataError(f"{self.path} holds no examples (empty file): point data.source.init_args.path at data")
+        # The shape is what most records hold: a few rows missing a field are bad rows, not another shape.
+        votes = Counter(k for _, r in first if isinstance(r, dict) for k, v in r.items() if v is not None)
+        if not votes:
+            raise DataError(
+                f"{self.path}: none of its first {len(first):,} lines holds a JSON object (line {first[0][0]}): "
+                f"write one object per line (JSON Lines) or one array of objects"
+            )
+        majority = [key for key, count in votes.items() if 2 * count >= max(votes.values())]
+        shape = example_shape(majority, knob=f"data.source.init_args.field_map (file {self.path})")
+        stat = Path(self.path).stat()
+        features = Features({LINE: Value("int64"), PROBLEM: Value("string"), **_SHAPE_FEATURES[shape]})
+        return datasets.Dataset.from_generator(
+            _json_rows,
+            features=features,
+            gen_kwargs={"path": self.path, "shape": shape, "field_map": self.field_map},
+            cache_dir=cache_dir,
+            fingerprint=_hash(self.fingerprint, stat.st_size, stat.st_mtime_ns, shape),
+        )
 
     def _read(self, cache_dir: str | None) -> datasets.Dataset | datasets.DatasetDict:
         local = Path(self.path)
@@ -317,8 +495,10 @@ class HFDataset(Source):
             return saved[self.split] if self.split else saved
         if local.is_file():
             if local.suffix not in _FILE_BUILDERS:
-                raise ValueError(
-                    f"HFDataset path={self.path!r}: unknown file type, use one of {sorted(_FILE_BUILDERS)}"
+                raise ConfigError(
+                    "data.source.init_args.path",
+                    f"{self.path!r} is of an unknown file type",
+                    f"use {sorted(_FILE_BUILDERS)}",
                 )
             return datasets.load_dataset(
                 _FILE_BUILDERS[local.suffix], data_files=str(local), split=self.split, cache_dir=cache_dir

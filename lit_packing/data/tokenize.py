@@ -13,34 +13,54 @@ another example). Worked example, SmolLM2's ChatML template, `[user "Hi", assist
 Assistant spans come from the chat template itself: the render of `messages[:i]` with a generation prompt ends
 where assistant message i starts, the render of `messages[:i + 1]` where it ends. This works for any template that
 renders earlier turns the same whatever follows (prefix-consistent); others raise a ValueError naming the fix.
+
+Bad examples (see `lit_packing.data.sources.example_problem`) are never tokenized: with `on_bad_row="error"`
+(default) tokenization stops with a `DataError` naming the first few rows as the user counts them (a file's line
+numbers); with `skip` they are left out and counted. The cache file `datasets.map` writes is checked against a
+size + XXH3-128 record kept beside it on every load, and rebuilt when it differs.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass, fields
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Literal
 
 import datasets
 import numpy as np
 import torch
+import xxhash
 from datasets import Features, List, Value
 
-from lit_packing.data.collate import IGNORE_INDEX, INPUT_IDS, LABELS
-from lit_packing.data.sources import CHAT, PROMPT_COMPLETION, example_shape
+from lit_packing.data.collate import IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, Pack
+from lit_packing.data.sources import CHAT, LINE, PROBLEM, PROMPT_COMPLETION, example_problem, example_shape
+from lit_packing.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
 
 # Bump when the tokens or labels this module produces change: every cached tokenization is then rebuilt.
-TOKENIZE_VERSION = "1"
+TOKENIZE_VERSION = "2"
 
 Overlong = Literal["truncate", "drop", "error"]
 TrainOn = Literal["completion", "all"]
+OnBadRow = Literal["error", "skip"]
 
 LENGTH = "length"
 TRUNCATED_TOKENS = "truncated_tokens"
-INDEX = "index"  # row of the example in the dataset that was tokenized (the source order)
-_LABEL_TOKENS = "label_tokens"
-_DROPPED = "dropped"  # "", "overlong" or "no_labels"
-OUTPUT_COLUMNS = [INPUT_IDS, LABELS, LENGTH, TRUNCATED_TOKENS, INDEX]
+ROW = "row"  # the example's row as the user counts it: its line in a JSON Lines file, else its source row
+TOKEN_HASH = "token_hash"  # 64-bit XXH3 of the token ids: equal for duplicate examples
+LABEL_TOKENS = "label_tokens"  # trained tokens of the example (labels != -100, its first label masked)
+_DROPPED = "dropped"  # "", "bad", "overlong" or "no_labels"
+OUTPUT_COLUMNS = [INPUT_IDS, LABELS, LENGTH, TRUNCATED_TOKENS, INDEX, LABEL_TOKENS, ROW, TOKEN_HASH]
+SAMPLES = 5  # offending rows named per kind, in messages and reports
+STALE_TMP_SECONDS = 600  # a `tmp*` file untouched this long in a cache folder is a killed run's leftover
 
 _FEATURES = Features(
     {
@@ -49,8 +69,11 @@ _FEATURES = Features(
         LENGTH: Value("int32"),
         TRUNCATED_TOKENS: Value("int32"),
         INDEX: Value("int64"),
-        _LABEL_TOKENS: Value("int32"),
+        ROW: Value("int64"),
+        TOKEN_HASH: Value("int64"),
+        LABEL_TOKENS: Value("int32"),
         _DROPPED: Value("string"),
+        PROBLEM: Value("string"),
     }
 )
 
@@ -70,7 +93,9 @@ class TokenizationReport:
     """What tokenization kept, cut and dropped; nothing is dropped without being counted here.
 
     `tokens_in == real_tokens + truncated_tokens + dropped_overlong_tokens + dropped_no_label_tokens` and
-    `examples_in == examples_out + dropped_overlong_examples + dropped_no_label_examples`.
+    `examples_in == examples_out + bad_examples + dropped_overlong_examples + dropped_no_label_examples`
+    (bad rows are never tokenized). `duplicate_examples` counts kept examples whose tokens equal an earlier one's.
+    `samples` names the first few rows of each kind: `{"bad": [(row, problem), ...], "overlong": ...}`.
     """
 
     examples_in: int = 0
@@ -84,21 +109,34 @@ class TokenizationReport:
     dropped_overlong_tokens: int = 0
     dropped_no_label_examples: int = 0
     dropped_no_label_tokens: int = 0
+    bad_examples: int = 0
+    duplicate_examples: int = 0
+    samples: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, int]:
         """Plain ints for loggers (`logger.log_hyperparams({"data": report.as_dict()})`)."""
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "samples"}
 
     def __add__(self, other: TokenizationReport) -> TokenizationReport:
-        return TokenizationReport(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+        kinds = {**self.samples, **other.samples}
+        samples = {k: (self.samples.get(k, []) + other.samples.get(k, []))[:SAMPLES] for k in kinds}
+        return TokenizationReport(**{k: v + getattr(other, k) for k, v in self.as_dict().items()}, samples=samples)
 
     def __str__(self) -> str:
         return (
             f"tokenized {self.examples_in:,} examples -> kept {self.examples_out:,} "
             f"({self.real_tokens:,} tokens, {self.label_tokens:,} trained); "
+            f"skipped {self.bad_examples:,} bad rows; "
             f"truncated {self.truncated_examples:,} ({self.truncated_tokens:,} tokens cut); "
             f"dropped {self.dropped_overlong_examples:,} overlong ({self.dropped_overlong_tokens:,} tokens) "
-            f"and {self.dropped_no_label_examples:,} with no trained token ({self.dropped_no_label_tokens:,} tokens)"
+            f"and {self.dropped_no_label_examples:,} with no trained token ({self.dropped_no_label_tokens:,} tokens); "
+            f"{self.duplicate_examples:,} duplicates kept"
+        )
+
+    def named(self, kind: str, row_name: Callable[[int], str] = "row {:,}".format) -> str:
+        """The first rows of one kind, e.g. `line 3 of a.jsonl (messages is null); line 9 of a.jsonl (...)`."""
+        return "; ".join(
+            f"{row_name(row)}" + (f" ({detail})" if detail else "") for row, detail in self.samples.get(kind, [])
         )
 
 
@@ -160,7 +198,11 @@ class _Encoder:
         special |= {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
         self.special_ids = np.array(sorted(special), dtype=np.int64)
         if shape != CHAT and self.eos is None:
-            raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no eos_token to end {shape} examples with")
+            raise ConfigError(
+                "data.tokenizer",
+                f"{tokenizer.name_or_path!r} has no eos_token to end {shape} examples with",
+                "use a tokenizer that has one (the model's own)",
+            )
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> tuple[list[list[int]], list[list[int]]]:
         if self.shape == CHAT:
@@ -211,11 +253,13 @@ class _Encoder:
                 continue
             before, upto = self._render(messages[:i], add_generation_prompt=True), self._render(messages[: i + 1])
             if not (upto.startswith(before) and full.startswith(upto)):
-                raise ValueError(
+                raise ConfigError(
+                    "data.tokenizer",
                     f"example {index}: the chat template is not prefix-consistent (rendering the first {i + 1} "
                     f"messages is not the start of rendering them all; the template rewrites earlier turns), so "
-                    f"assistant turns cannot be located: set data.train_on=all, or use a tokenizer whose "
-                    f"chat_template renders each turn the same whatever follows"
+                    f"assistant turns cannot be located",
+                    "set data.train_on=all, or use a tokenizer whose chat_template renders each turn the same "
+                    "whatever follows",
                 )
             start, end = len(before), len(upto)
             content = (message["content"] or "").strip()
@@ -240,43 +284,70 @@ class _Encoder:
 # ---------------------------------------------------------------- lengths and policies
 
 
-def _fit(ids: list[int], labels: list[int], index: int, max_length: int, overlong: str) -> dict[str, Any]:
-    """Apply `max_length` / `overlong` and the no-label rule to one example: the row the map writes."""
+def _fit(ids: list[int], labels: list[int], max_length: int, overlong: str) -> dict[str, Any]:
+    """Apply `max_length` / `overlong` and the no-label rule to one example: the columns the map writes for it."""
     n, cut = len(ids), max(0, len(ids) - max_length)
-    if cut and overlong == "error":
-        raise ValueError(
-            f"example {index} has {n:,} tokens > max_length={max_length:,}: "
-            f"raise data.max_length or set data.overlong=truncate (or drop)"
-        )
-    row = {INDEX: index, TRUNCATED_TOKENS: 0, _LABEL_TOKENS: 0, _DROPPED: "", INPUT_IDS: [], LABELS: []}
-    if cut and overlong == "drop":
-        return {**row, LENGTH: n, _DROPPED: "overlong"}
+    row = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, _DROPPED: "", PROBLEM: "", INPUT_IDS: [], LABELS: []}
+    if cut and overlong in ("drop", "error"):  # `error` raises after the map, naming every such row
+        return {**row, LENGTH: n, _DROPPED: "overlong", PROBLEM: f"{n:,} tokens"}
     ids, labels = ids[:max_length], labels[:max_length]
     if labels:
         labels[0] = IGNORE_INDEX
     trained = sum(label != IGNORE_INDEX for label in labels)
     if not trained:
         return {**row, LENGTH: len(ids), TRUNCATED_TOKENS: cut, _DROPPED: "no_labels"}
-    return {**row, INPUT_IDS: ids, LABELS: labels, LENGTH: len(ids), TRUNCATED_TOKENS: cut, _LABEL_TOKENS: trained}
+    return {**row, INPUT_IDS: ids, LABELS: labels, LENGTH: len(ids), TRUNCATED_TOKENS: cut, LABEL_TOKENS: trained}
+
+
+def token_hash(ids: list[int]) -> int:
+    """A signed 64-bit XXH3 of token ids (the `token_hash` column): equal ids, equal hash."""
+    digest = xxhash.xxh3_64_intdigest(np.asarray(ids, dtype=np.int32).tobytes())
+    return digest - (1 << 64) if digest >= 1 << 63 else digest
 
 
 def _tokenize_batch(
-    batch: dict[str, list], indices: list[int], encoder: _Encoder, max_length: int, overlong: str
+    batch: dict[str, list],
+    indices: list[int],
+    encoder: _Encoder,
+    max_length: int,
+    overlong: str,
+    rows: np.ndarray | None,
 ) -> dict[str, list]:
-    ids, labels = encoder(batch, indices)
-    rows = [_fit(list(x), list(y), i, max_length, overlong) for x, y, i in zip(ids, labels, indices)]
-    return {column: [row[column] for row in rows] for column in _FEATURES}
+    n = len(indices)
+    examples = [{name: batch[name][k] for name in batch} for k in range(n)]
+    problems = [ex.get(PROBLEM) or example_problem(encoder.shape, ex) for ex in examples]
+    good = [k for k in range(n) if not problems[k]]
+    chosen = {name: [batch[name][k] for k in good] for name in batch}
+    ids, labels = encoder(chosen, [indices[k] for k in good]) if good else ([], [])
+    fitted = dict(zip(good, (_fit(list(x), list(y), max_length, overlong) for x, y in zip(ids, labels))))
+    bad = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, _DROPPED: "bad", INPUT_IDS: [], LABELS: [], LENGTH: 0}
+    out = []
+    for k, index in enumerate(indices):
+        row = fitted.get(k) or {**bad, PROBLEM: problems[k]}
+        source_row = batch[LINE][k] if LINE in batch else int(rows[index]) if rows is not None else index
+        out.append({**row, INDEX: index, ROW: source_row, TOKEN_HASH: token_hash(row[INPUT_IDS])})
+    return {name: [row[name] for row in out] for name in _FEATURES}
 
 
 def column(dataset: datasets.Dataset, name: str) -> np.ndarray:
     """One column as a numpy array, reading only that column (e.g. `length`, never the tokens)."""
-    return np.asarray(dataset.select_columns([name]).with_format("numpy")[:][name])
+    return np.asarray(dataset.with_format("arrow")[name])  # a pyarrow column (indices applied): ~1 ms
+
+
+def _samples(where: np.ndarray, rows: np.ndarray, details: np.ndarray | None = None) -> list[tuple[int, str]]:
+    first = np.flatnonzero(where)[:SAMPLES]
+    return [(int(rows[i]), str(details[i]) if details is not None else "") for i in first]
 
 
 def _report(mapped: datasets.Dataset) -> TokenizationReport:
     length, cut = column(mapped, LENGTH).astype(np.int64), column(mapped, TRUNCATED_TOKENS).astype(np.int64)
-    trained, dropped = column(mapped, _LABEL_TOKENS).astype(np.int64), column(mapped, _DROPPED)
-    kept, overlong, unlabelled = dropped == "", dropped == "overlong", dropped == "no_labels"
+    trained, dropped = column(mapped, LABEL_TOKENS).astype(np.int64), column(mapped, _DROPPED)
+    rows, problems, hashes = column(mapped, ROW), column(mapped, PROBLEM), column(mapped, TOKEN_HASH)
+    kept, overlong, unlabelled, bad = dropped == "", dropped == "overlong", dropped == "no_labels", dropped == "bad"
+    duplicate = np.zeros(len(mapped), dtype=bool)
+    _, first = np.unique(hashes[kept], return_index=True)
+    duplicate[np.flatnonzero(kept)] = True
+    duplicate[np.flatnonzero(kept)[first]] = False
     return TokenizationReport(
         examples_in=len(mapped),
         examples_out=int(kept.sum()),
@@ -289,7 +360,109 @@ def _report(mapped: datasets.Dataset) -> TokenizationReport:
         dropped_overlong_tokens=int(length[overlong].sum()),
         dropped_no_label_examples=int(unlabelled.sum()),
         dropped_no_label_tokens=int((length + cut)[unlabelled].sum()),
+        bad_examples=int(bad.sum()),
+        duplicate_examples=int(duplicate.sum()),
+        samples={
+            kind: found
+            for kind, found in (
+                ("bad", _samples(bad, rows, problems)),
+                ("overlong", _samples(overlong, rows, problems)),
+                ("no_labels", _samples(unlabelled, rows)),
+                ("duplicate", _samples(duplicate, rows)),
+            )
+            if found
+        },
     )
+
+
+def check_report(
+    report: TokenizationReport,
+    on_bad_row: str,
+    overlong: str,
+    max_length: int,
+    row_name: Callable[[int], str] = "row {:,}".format,
+) -> None:
+    """Raise the `DataError` the policies ask for: bad rows under `error`, overlong rows under `error`, or nothing
+    left to train on; each names the first rows and the setting to change."""
+    bad, long = report.samples.get("bad", []), report.samples.get("overlong", [])
+    if bad and on_bad_row == "error":
+        raise DataError(
+            f"{report.bad_examples:,} bad rows, first {report.named('bad', row_name)}: fix them, or set "
+            f"data.on_bad_row=skip to leave them out (they are counted)",
+            rows=[row for row, _ in bad],
+        )
+    if long and overlong == "error":
+        raise DataError(
+            f"{report.dropped_overlong_examples:,} examples over max_length={max_length:,}, first "
+            f"{report.named('overlong', row_name)}: raise data.max_length or set data.overlong=truncate (or drop)",
+            rows=[row for row, _ in long],
+        )
+    if not report.examples_out:
+        raise DataError(
+            f"nothing to train on: no example of {report.examples_in:,} is left ({report}): check the source's "
+            f"fields (data.source), data.max_length with data.overlong, data.train_on and data.on_bad_row"
+        )
+
+
+# ---------------------------------------------------------------- the cache on disk
+
+
+def _file_record(path: Path) -> list:
+    """[size, XXH3-128 hex] of a file, streamed in 8 MiB blocks. XXH3 (xxhash, a `datasets` dependency) catches
+    any accidental damage and reads GB/s, so checking a 160 MiB cache costs tens of milliseconds."""
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as file:
+        while block := file.read(8 << 20):
+            digest.update(block)
+    return [path.stat().st_size, digest.hexdigest()]
+
+
+def _cache_files(folder: Path, fingerprint: str) -> list[Path]:
+    return sorted(folder.glob(f"cache-{fingerprint}*.arrow"))
+
+
+def _record_path(folder: Path, fingerprint: str) -> Path:
+    return folder / f"cache-{fingerprint}.check.json"
+
+
+def _remove_stale_tmp(folder: Path) -> None:
+    """Delete `tmp*` files that killed runs left in a cache folder (untouched for `STALE_TMP_SECONDS`)."""
+    now, removed = time.time(), []
+    for path in folder.glob("tmp*"):
+        if path.is_file() and now - path.stat().st_mtime > STALE_TMP_SECONDS:
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    if removed:
+        log.warning("removed %d temporary file(s) left by killed runs in %s: %s", len(removed), folder, removed)
+
+
+def _verify_cache(folder: Path, fingerprint: str) -> None:
+    """Delete this tokenization's cache files when they differ from their record, or have none (an older version
+    wrote them, or a run died before recording them), so the map rebuilds them; say so."""
+    files, record_path = _cache_files(folder, fingerprint), _record_path(folder, fingerprint)
+    if not files:
+        return
+    try:
+        expected = json.loads(record_path.read_text())
+    except (OSError, ValueError):
+        expected = None
+    if expected is not None and {path.name: _file_record(path) for path in files} == expected:
+        return
+    problem = "has no size + checksum record" if expected is None else "does not match its size + checksum record"
+    log.warning("the tokenized cache %s %s (%s): rebuilding it", [str(p) for p in files], problem, record_path)
+    for path in [*files, record_path]:
+        path.unlink(missing_ok=True)
+
+
+def _write_record(folder: Path, fingerprint: str) -> None:
+    """Record size + checksum of this tokenization's cache files, atomically (a temporary file, then a rename)."""
+    record_path, files = _record_path(folder, fingerprint), _cache_files(folder, fingerprint)
+    if record_path.exists() or not files:
+        return
+    record = {path.name: _file_record(path) for path in files}
+    with tempfile.NamedTemporaryFile("w", dir=folder, prefix="tmp", suffix=".json", delete=False) as tmp:
+        json.dump(record, tmp)
+    os.replace(tmp.name, record_path)
 
 
 def tokenize_dataset(
@@ -299,8 +472,11 @@ def tokenize_dataset(
     overlong: Overlong = "truncate",
     train_on: TrainOn = "completion",
     num_proc: int | None = None,
+    on_bad_row: OnBadRow = "error",
+    rows: np.ndarray | None = None,
+    row_name: Callable[[int], str] = "row {:,}".format,
 ) -> tuple[datasets.Dataset, TokenizationReport]:
-    """Tokenize every example with `datasets.map` (batched, cached next to the dataset's Arrow files).
+    """Tokenize every example with `datasets.map` (batched, cached and checksummed next to the dataset's files).
 
     Args:
         dataset: examples of one shape (see `lit_packing.data.sources.example_shape`).
@@ -309,35 +485,66 @@ def tokenize_dataset(
         overlong: `truncate` keeps the first `max_length` tokens; `drop` removes the example; `error` raises.
         train_on: `completion` trains assistant turns / completions only; `all` trains every token.
         num_proc: processes for `map` (None: one; the tokenizer already batches in Rust).
+        on_bad_row: `error` raises a `DataError` naming the first bad rows; `skip` leaves them out, counted.
+        rows: (len(dataset),) the source row of each dataset row (when `dataset` is a subset); None: the same.
+        row_name: how messages name a row, e.g. `source.row_name` (`line 17 of chats.jsonl`).
 
     Returns:
-        The kept examples (columns `input_ids`, `labels`, `length`, `truncated_tokens`, `index` = row in `dataset`)
-        and the report of what was cut and dropped.
+        The kept examples (columns `input_ids`, `labels`, `length`, `truncated_tokens`, `index` = row in `dataset`,
+        `row` = the row as the user counts it, `token_hash`) and the report of what was skipped, cut and dropped.
+
+    Raises:
+        DataError: bad rows under `on_bad_row=error`, overlong ones under `overlong=error`, or no example left.
     """
     if overlong not in ("truncate", "drop", "error"):
-        raise ValueError(f"overlong={overlong!r}: use data.overlong=truncate, drop or error")
+        raise ConfigError("data.overlong", f"{overlong!r} is not a policy", "use truncate, drop or error")
     if train_on not in ("completion", "all"):
-        raise ValueError(f"train_on={train_on!r}: use data.train_on=completion or all")
+        raise ConfigError("data.train_on", f"{train_on!r} is not a choice", "use completion or all")
+    if on_bad_row not in ("error", "skip"):
+        raise ConfigError("data.on_bad_row", f"{on_bad_row!r} is not a policy", "use error or skip")
     if max_length < 2:
-        raise ValueError(f"max_length={max_length}: data.max_length must be >= 2 to hold a trained token")
+        raise ConfigError("data.max_length", f"must be >= 2 to hold a trained token, got {max_length}")
+    if not len(dataset):
+        raise DataError("the source holds no examples: check data.source (its path, split and field_map)")
     shape = example_shape(dataset.column_names)
     template = chat_template(tokenizer) if shape == CHAT else ""
-    encoder = _Encoder(tokenizer, shape, template, train_on)
-    mapped = dataset.map(
+    if shape == CHAT and not tokenizer.chat_template:
+        log.warning(
+            "tokenizer %r has no chat template: chats are rendered with ChatML "
+            "(lit_packing.data.tokenize.DEFAULT_CHAT_TEMPLATE; its markers are plain text to this tokenizer)",
+            tokenizer.name_or_path,
+        )
+    fingerprint = tokenization_fingerprint(dataset._fingerprint, tokenizer, template, max_length, overlong, train_on)
+    folder = Path(dataset.cache_files[0]["filename"]).parent if dataset.cache_files else None
+    if folder is not None:
+        _remove_stale_tmp(folder)
+        _verify_cache(folder, fingerprint)
+    mapped = _map(dataset, tokenizer, shape, template, max_length, overlong, train_on, num_proc, rows, fingerprint)
+    if folder is not None:
+        _write_record(folder, fingerprint)
+    report = _report(mapped)
+    check_report(report, on_bad_row, overlong, max_length, row_name)
+    kept = np.flatnonzero(column(mapped, _DROPPED) == "")
+    return mapped.select(kept).select_columns(OUTPUT_COLUMNS), report
+
+
+def _map(dataset, tokenizer, shape, template, max_length, overlong, train_on, num_proc, rows, fingerprint):
+    return dataset.map(
         _tokenize_batch,
         batched=True,
         with_indices=True,
         remove_columns=dataset.column_names,
         features=_FEATURES,
-        fn_kwargs={"encoder": encoder, "max_length": max_length, "overlong": overlong},
+        fn_kwargs={
+            "encoder": _Encoder(tokenizer, shape, template, train_on),
+            "max_length": max_length,
+            "overlong": overlong,
+            "rows": rows,
+        },
         num_proc=num_proc,
-        new_fingerprint=tokenization_fingerprint(
-            dataset._fingerprint, tokenizer, template, max_length, overlong, train_on
-        ),
+        new_fingerprint=fingerprint,
         desc=f"Tokenizing {shape} (max_length={max_length:,}, overlong={overlong}, train_on={train_on})",
     )
-    kept = np.flatnonzero(column(mapped, _DROPPED) == "")
-    return mapped.select(kept).select_columns(OUTPUT_COLUMNS), _report(mapped)
 
 
 # ---------------------------------------------------------------- what the DataLoader reads
@@ -346,18 +553,20 @@ def tokenize_dataset(
 class TokenizedDataset(torch.utils.data.Dataset):
     """Examples by row, or token slices of them, for the collator; `lengths` without reading any token.
 
-    `ds[3]` -> `{"input_ids": array, "labels": array, "truncated_tokens": int}`; `ds[(3, 100, 200)]` -> tokens
-    100..199 of example 3 (what `FixedLengthPackingSampler` asks for; `truncated_tokens` only on the slice at 0,
-    so an example's cut tokens are counted once). Arrays are read-only int32 views of the memory-mapped Arrow file
-    (about 40 us a row; `datasets`' numpy formatting takes about 200 us).
+    `ds[3]` -> `{"input_ids": array, "labels": array, "index": source row, "truncated_tokens": int}`;
+    `ds[(3, 100, 200)]` -> tokens 100..199 of example 3 (what `FixedLengthPackingSampler` asks for;
+    `truncated_tokens` only on the slice at 0, so an example's cut tokens are counted once). Arrays are read-only
+    int32 views of the memory-mapped Arrow file (about 40 us a row; `datasets`' numpy formatting takes about 200 us).
+    A `Pack` of keys is read as a `Pack` of items carrying the same optimizer-step totals.
 
     Args:
         dataset: the output of `tokenize_dataset` (or a `select` of it).
     """
 
     def __init__(self, dataset: datasets.Dataset) -> None:
-        self.dataset = dataset.with_format("arrow", columns=[INPUT_IDS, LABELS, TRUNCATED_TOKENS])
+        self.dataset = dataset.with_format("arrow", columns=[INPUT_IDS, LABELS, TRUNCATED_TOKENS, INDEX])
         self._lengths: np.ndarray | None = None
+        self._label_tokens: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -369,13 +578,40 @@ class TokenizedDataset(torch.utils.data.Dataset):
             self._lengths = column(self.dataset, LENGTH).astype(np.int64)
         return self._lengths
 
+    @property
+    def label_tokens(self) -> np.ndarray:
+        """(n,) int64 trained tokens per example, read from the `label_tokens` column only."""
+        if self._label_tokens is None:
+            self._label_tokens = column(self.dataset, LABEL_TOKENS).astype(np.int64)
+        return self._label_tokens
+
+    def count_labels(self, keys: list) -> list[int]:
+        """Trained tokens of each key as the collator will see it: a row's count, or a slice's (whose first label
+        the collator masks), read from the labels of the sliced rows only."""
+        counts = []
+        for key in keys:
+            if isinstance(key, tuple):
+                labels = self[key][LABELS]
+                counts.append(int((labels[1:] != IGNORE_INDEX).sum()))
+            else:
+                counts.append(int(self.label_tokens[key]))
+        return counts
+
     def __getitem__(self, key: int | tuple[int, int, int]) -> dict[str, Any]:
         index, start, stop = key if isinstance(key, tuple) else (key, 0, None)
         row = self.dataset[int(index)]  # a one-row pyarrow.Table
-        item = {INPUT_IDS: _tokens(row, INPUT_IDS)[start:stop], LABELS: _tokens(row, LABELS)[start:stop]}
+        item = {
+            INPUT_IDS: _tokens(row, INPUT_IDS)[start:stop],
+            LABELS: _tokens(row, LABELS)[start:stop],
+            INDEX: row.column(INDEX)[0].as_py(),
+        }
         if start == 0:
             item[TRUNCATED_TOKENS] = row.column(TRUNCATED_TOKENS)[0].as_py()
         return item
+
+    def __getitems__(self, keys: list) -> list[dict[str, Any]]:
+        # The DataLoader hands a batch sampler's whole item to this method: keep a Pack's step totals.
+        return Pack([self[key] for key in keys], step=getattr(keys, "step", None))
 
 
 def _tokens(row, name: str) -> np.ndarray:

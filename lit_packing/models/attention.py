@@ -104,6 +104,17 @@ def resolve_backend(backend: AttnBackend, device: torch.device | str) -> str:
     return backend
 
 
+def available_backends(device: torch.device | str) -> list[str]:
+    """The backends that can run on `device` here, fastest first (e.g. `["cpu_varlen", "sdpa_mask"]` on a CPU)."""
+    usable = []
+    for backend in BACKENDS:
+        try:
+            usable.append(resolve_backend(backend, device))
+        except ValueError:
+            continue
+    return usable
+
+
 def attn_implementation(backend: str) -> str:
     """The transformers `attn_implementation` name of a (resolved) backend, registered on first use."""
     if backend not in HF_NAMES:
@@ -235,9 +246,39 @@ def _memo(store: dict, key: torch.Tensor, variant: object, build: Callable):
 # Kernels: q (total, H, D), k/v (total, Hkv, D), cu (n + 1,) -> (total, H, D)
 
 
-def _half(x: torch.Tensor) -> torch.Tensor:
-    """FlashAttention kernels take fp16/bf16 only; fp32 activations (no autocast) run in bf16."""
-    return x if x.dtype in (torch.float16, torch.bfloat16) else x.to(torch.bfloat16)
+# The dtype the last varlen kernel call ran in (a kernel may run below the activations' dtype, see `_half`).
+_kernel_dtype: dict[str, torch.dtype] = {}
+
+
+def last_kernel_dtype() -> torch.dtype | None:
+    """The dtype the most recent flash_attn / torch_varlen call computed in; None if none ran since the reset."""
+    return _kernel_dtype.get("last")
+
+
+def reset_kernel_dtype() -> None:
+    _kernel_dtype.clear()
+
+
+@cache
+def _warn_cast(kernel: str, dtype: torch.dtype) -> None:
+    log.warning(
+        "attn_backend=%s computes in bfloat16 only: the %s activations are cast to bfloat16 for attention (and back). "
+        "Train with trainer.precision=bf16-mixed, or use attn_backend=cpu_varlen / sdpa_mask for %s attention",
+        kernel,
+        str(dtype).removeprefix("torch."),
+        str(dtype).removeprefix("torch."),
+    )
+
+
+def _half(x: torch.Tensor, kernel: str) -> torch.Tensor:
+    """FlashAttention kernels take fp16/bf16 only; other activations (fp32 without autocast) run in bf16, with a
+    one-time warning naming the dtype."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        _kernel_dtype["last"] = x.dtype
+        return x
+    _warn_cast(kernel, x.dtype)
+    _kernel_dtype["last"] = torch.bfloat16
+    return x.to(torch.bfloat16)
 
 
 def _max_length(cu: torch.Tensor, given: int | None) -> int:
@@ -259,9 +300,9 @@ def _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, wind
     if softcap is not None:
         kwargs["softcap"] = softcap
     out = flash_attn_varlen_func(
-        _half(q),
-        _half(k),
-        _half(v),
+        _half(q, "flash_attn"),
+        _half(k, "flash_attn"),
+        _half(v, "flash_attn"),
         cu_q.to(torch.int32),
         cu_k.to(torch.int32),
         _max_length(cu_q, max_q),
@@ -305,9 +346,9 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, s
         else:
             k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     out = varlen_attn(
-        _half(q),
-        _half(k),
-        _half(v),
+        _half(q, "torch_varlen"),
+        _half(k, "torch_varlen"),
+        _half(v, "torch_varlen"),
         cu_q.to(torch.int32),
         cu_k.to(torch.int32),
         _max_length(cu_q, max_q),

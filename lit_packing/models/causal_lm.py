@@ -6,10 +6,15 @@
 What it adds to a plain `AutoModelForCausalLM`:
 - a varlen attention backend reading `cu_seq_lens_*` (see `attention.py`); padded batches run sdpa with their mask;
 - the loss computed here from the last hidden states chunk by chunk (the (T, V) logits are never built), as one
-  global mean over every gradient-accumulation micro-batch and every data-parallel rank (`loss_normalization`),
-  so packing never changes the gradient;
+  global mean over every gradient-accumulation micro-batch and every data-parallel rank (`loss_normalization`), so
+  packing never changes the gradient: each micro-batch's loss sum is divided by its optimizer step's global label
+  count, which every batch carries (`batch["step"]`, from the sampler's global plan), so no gradient is ever
+  rescaled and no rank communicates for it;
 - a memory estimate of the largest step before the first one (see `memory.py`);
 - a host-side check of every batch and an isolation self-test before the first step (see `isolation.py`);
+- numerics guards: a non-finite loss or gradient stops the run naming the step (`nonfinite=error`) or skips the
+  step and counts it (`skip`, logged as `train/nonfinite_steps`); `export` refuses non-finite weights; token ids
+  outside the embedding table are refused at setup;
 - validation metrics (`val/loss`, `val/perplexity`, `val/token_accuracy`) that packed and padded batches agree on.
 """
 
@@ -26,6 +31,7 @@ import torchmetrics
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_packing.callbacks.throughput import flop_coefficients, model_shape
 from lit_packing.data.collate import (
     ATTENTION_MASK,
     CU_SEQ_LENS_K,
@@ -35,8 +41,11 @@ from lit_packing.data.collate import (
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
     POSITION_IDS,
+    ROWS,
+    STEP,
 )
-from lit_packing.models.attention import AttnBackend, attn_implementation, resolve_backend
+from lit_packing.errors import ConfigError, DataError, TrainingError, check_range
+from lit_packing.models.attention import AttnBackend, attn_implementation, available_backends, resolve_backend
 from lit_packing.models.isolation import check_isolation, check_packed_batch
 from lit_packing.models.loading import DType, apply_lora, load_causal_lm, no_decay_parameter_ids
 from lit_packing.models.loss import HeadInputs, LossImpl, LossNormalization, causal_lm_loss, eval_sums
@@ -45,10 +54,11 @@ from lit_packing.models.memory import check_fit_memory
 log = logging.getLogger(__name__)
 
 MODEL_INPUT_KEYS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K)
-# The backward pass starts from a loss *sum* (thousands of tokens): divided by a power of two (exact in floating
-# point) so that fp16 per-token gradients under a GradScaler stay far from overflow; undone in the step's scaling.
-SUM_DIVISOR = 1024.0
+# The strategies whose gradient reduction this loss is tested under (each averages gradients over ranks).
+TESTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy")
 Schedule = Literal["cosine", "linear", "constant"]
+NonFinite = Literal["error", "skip"]
+SAMPLE_ROWS = 8  # source rows named when a step fails
 
 
 class PackedCausalLM(LightningModule):
@@ -82,6 +92,8 @@ class PackedCausalLM(LightningModule):
         lora: `peft.LoraConfig` kwargs (e.g. `{r: 16, lora_alpha: 32, target_modules: all-linear}`): train adapters.
         resize_embeddings: let a tokenizer larger than a pretrained model's vocabulary grow the embeddings.
         export_dir: at the end of `fit`, `save_pretrained` the model (adapters with LoRA) and tokenizer here.
+        nonfinite: a NaN/inf loss or gradient: `error` (default) stops the run naming the step; `skip` drops that
+            optimizer step (no update) and counts it (`train/nonfinite_steps`, the fit summary).
     """
 
     def __init__(
@@ -108,14 +120,15 @@ class PackedCausalLM(LightningModule):
         lora: dict | None = None,
         resize_embeddings: bool = False,
         export_dir: str | None = None,
+        nonfinite: NonFinite = "error",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        if loss_normalization not in ("token", "sequence"):
-            raise ValueError(f"loss_normalization={loss_normalization!r}: use token or sequence")
+        _check_settings(self.hparams)
         check_loss_settings(loss_impl, loss_chunk_size, loss_normalization)
         # Until the trainer says which device we run on, guess; `setup` resolves again for the real device.
         guess = "cuda" if torch.cuda.is_available() else "cpu"
+        _backend_here(attn_backend, guess)  # a backend no device here can run fails before the model loads
         portable = attn_backend if attn_backend in ("cpu_varlen", "sdpa_mask") else "auto"
         self.attn_backend: str = resolve_backend(portable, guess)  # the backend in use (`auto` resolved)
         self.model = load_causal_lm(
@@ -128,8 +141,10 @@ class PackedCausalLM(LightningModule):
         if loss_impl != "full":
             check_head_inputs(self)
         self.eval_metrics = torch.nn.ModuleDict({stage: _eval_metrics() for stage in ("val", "test")})
-        self._step_totals: torch.Tensor | None = None  # [token loss sum, label tokens, normalizer] of this step
+        self._step_totals: torch.Tensor | None = None  # [token loss sum, label tokens] of this step on this rank
         self._isolation_pending = isolation_check
+        self.nonfinite_steps = 0  # optimizer steps skipped under nonfinite=skip
+        self._step_rows: list[int] = []  # source rows of the examples in the optimizer step under way (host-side)
         self._graphs_after_first_step: int | None = None  # torch.compile graphs compiled by the end of step 1
         self.memory_estimate = None  # set at train start (`memory_check`)
 
@@ -141,9 +156,22 @@ class PackedCausalLM(LightningModule):
         """The underlying transformers model (unwrapping peft)."""
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
+    @property
+    def cost_coefficients(self) -> tuple[float, float]:
+        """Training FLOPs per token and per attended (query, key) pair of this model (`flop_coefficients`): an
+        example of L tokens costs `a * L + b * L^2`. The data module hands them to `MultipackSampler`."""
+        return flop_coefficients(model_shape(self.model))
+
     def setup(self, stage: str) -> None:
+        strategy = type(self.trainer.strategy).__name__
+        if stage == "fit" and strategy not in TESTED_STRATEGIES:
+            raise ValueError(
+                f"trainer.strategy={strategy} is not supported: the loss normalisation is tested under "
+                f"{', '.join(TESTED_STRATEGIES)} (trainer.strategy: auto, ddp or fsdp)"
+            )
         device = self.trainer.strategy.root_device
-        self.attn_backend = resolve_backend(self.hparams.attn_backend, device)
+        self.attn_backend = _backend_here(self.hparams.attn_backend, device)
+        self._check_token_ids()
         self.hf_model.set_attn_implementation(attn_implementation(self.attn_backend))
         how = " (auto)" if self.hparams.attn_backend == "auto" else ""
         rank_zero_info(f"attention backend: {self.attn_backend}{how} on {device}")
@@ -153,6 +181,18 @@ class PackedCausalLM(LightningModule):
             # The decoder, which both the loss (hidden states) and `forward` (logits) run through.
             self.hf_model.base_model.compile(dynamic=None)
             self._compiled = True
+
+    def _check_token_ids(self) -> None:
+        """Refuse data whose token ids fall outside the embedding table (once, from the data module's max id)."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        low, high = getattr(datamodule, "token_id_range", (0, 0))
+        rows = self.hf_model.get_input_embeddings().num_embeddings
+        if low < 0 or high >= rows:
+            raise DataError(
+                f"the tokenized data holds token ids {low:,}..{high:,} but the model has {rows:,} embedding rows: "
+                f"data.tokenizer does not match model.model (use the model's own tokenizer, or "
+                f"model.resize_embeddings=true), or the tokenized cache was altered (delete it under data.cache_dir)"
+            )
 
     def on_train_start(self) -> None:
         if self.hparams.memory_check:
@@ -171,7 +211,10 @@ class PackedCausalLM(LightningModule):
         return batch
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._isolation_pending and CU_SEQ_LENS_Q in batch and batch[LABELS].shape[1] > 1:
+        self._step_rows.extend(batch.get(ROWS, ()))
+        # Every rank runs it on its first packed batch, an empty pack included: the same number of forwards on
+        # every rank (see `sample_packed`), so a sharded model's collectives stay matched and nothing hangs.
+        if self._isolation_pending and CU_SEQ_LENS_Q in batch:
             with self._forward_context():
                 diff = check_isolation(self.model, batch, self.attn_backend)
             log.info("isolation self-test passed: attn_backend=%s, max abs logit diff %.3g", self.attn_backend, diff)
@@ -208,24 +251,77 @@ class PackedCausalLM(LightningModule):
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
         parts = causal_lm_loss(self.loss_outputs(batch), batch, self.hparams.loss_normalization)
-        totals = torch.stack([parts.token_loss_sum.detach(), parts.label_tokens, parts.normalizer.detach()])
-        totals = totals.to(_accumulator_dtype(totals.device))
-        self._step_totals = totals if self._step_totals is None else self._step_totals + totals
-        # A sum: `on_before_optimizer_step` divides the gradients by the step's global normalizer.
-        return parts.objective / SUM_DIVISOR
+        normalizer = self._step_normalizer(batch, parts)
+        local = torch.stack([parts.token_loss_sum.detach(), parts.label_tokens.detach()])
+        local = local.to(_accumulator_dtype(local.device))
+        self._step_totals = local if self._step_totals is None else self._step_totals + local
+        # Lightning divides by accumulate_grad_batches and data parallelism averages over ranks: undo both, so
+        # the step's gradient is sum(objective) / normalizer over every micro-batch on every rank.
+        factor = self.trainer.world_size * self.trainer.accumulate_grad_batches
+        return parts.objective * (factor / normalizer)
+
+    def _step_normalizer(self, batch: Mapping[str, Any], parts) -> int | torch.Tensor:
+        """The optimizer step's global label tokens (or sequences): from the batch, else this micro-batch's."""
+        key = "label_tokens" if self.hparams.loss_normalization == "token" else "sequences"
+        if STEP in batch:
+            return max(batch[STEP][key], 1)
+        if self.trainer.world_size * self.trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"the batch has no '{STEP}' totals, so with world_size={self.trainer.world_size} and "
+                f"accumulate_grad_batches={self.trainer.accumulate_grad_batches} its loss cannot be normalised over "
+                "the optimizer step: use PackingDataModule's samplers, or give every micro-batch of a step "
+                "lit_packing.data.collate.attach_step(...)"
+            )
+        return parts.normalizer.detach().clamp_min(1)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Turn the summed gradients into the global mean: runs after the last micro-batch's backward, before
-        gradient clipping and the optimizer step (Lightning's `Precision._after_closure`)."""
-        if self._step_totals is None:
+        """Log `train/loss`, the step's per-token mean over all ranks: summed locally, reduced at logging steps only
+        (one all-reduce every `trainer.log_every_n_steps`, none in between)."""
+        totals, self._step_totals = self._step_totals, None
+        trainer = self.trainer
+        if totals is None:
             return
-        totals = self.trainer.strategy.reduce(self._step_totals, reduce_op="sum")  # one all-reduce per step
-        self._step_totals = None
-        # DDP averages gradients over ranks and Lightning divides each micro-batch loss by accumulate_grad_batches.
-        world, accumulate = self.trainer.world_size, self.trainer.accumulate_grad_batches
-        factor = world * accumulate * SUM_DIVISOR / totals[2].clamp_min(1)
-        scale_gradients(self.parameters(), factor)
+        if not self._finite_step(totals[0]):
+            return
+        if trainer.world_size > 1 and (trainer.global_step + 1) % trainer.log_every_n_steps and trainer.global_step:
+            return
+        totals = trainer.strategy.reduce(totals, reduce_op="sum")
         self.log("train/loss", totals[0] / totals[1].clamp_min(1), prog_bar=True, on_step=True, on_epoch=False)
+
+    def _finite_step(self, loss_sum: torch.Tensor) -> bool:
+        """Whether this optimizer step's loss and gradients are finite (one host sync); if not, raise a
+        `TrainingError` (`nonfinite=error`) or drop every gradient so the optimizer skips the step (`skip`)."""
+        rows, self._step_rows = self._step_rows, []
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        # Under fp16 the GradScaler itself skips steps with inf gradients (and lowers its scale): check the loss only.
+        check_grads = grads and str(self.trainer.precision) != "16-mixed"
+        norms = torch._foreach_norm(grads) if check_grads else []
+        local = torch.stack([loss_sum.float(), *(n.float().to(loss_sum.device) for n in norms)]).sum()
+        # One scalar all-reduce with several ranks, so that every rank takes the same decision (NaN + x = NaN).
+        total = self.trainer.strategy.reduce(local, reduce_op="sum") if self.trainer.world_size > 1 else local
+        if torch.isfinite(total):
+            return True
+        what = "gradient" if torch.isfinite(loss_sum) else "loss"
+        if self.hparams.nonfinite == "error":
+            raise TrainingError(
+                f"non-finite {what} at optimizer step {self.global_step + 1} (epoch {self.current_epoch}; examples "
+                f"of that step: {self._name_rows(rows[:SAMPLE_ROWS])}): lower model.lr (now {self.hparams.lr:g}), set "
+                f"trainer.gradient_clip_val, check those examples, or set model.nonfinite=skip to skip such steps "
+                f"(they are counted)"
+            )
+        for p in self.parameters():
+            p.grad = None  # AdamW leaves parameters without a gradient untouched
+        self.nonfinite_steps += 1
+        log.warning("skipped optimizer step %d: non-finite %s (model.nonfinite=skip)", self.global_step, what)
+        self.log("train/nonfinite_steps", float(self.nonfinite_steps), on_step=True, on_epoch=False)
+        return False
+
+    def _name_rows(self, rows: list[int]) -> str:
+        """The examples' rows as the user counts them (the data module knows the source), else their indices."""
+        name_rows = getattr(getattr(self.trainer, "datamodule", None), "name_rows", None)
+        if name_rows is not None:
+            return name_rows(rows)
+        return f"rows {', '.join(map(str, rows))}" if rows else "not recorded"
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -286,7 +382,17 @@ class PackedCausalLM(LightningModule):
             self.export(self.hparams.export_dir)
 
     def export(self, path: str) -> None:
-        """`save_pretrained` the model (LoRA: the adapters) and, when one is known, the tokenizer."""
+        """`save_pretrained` the model (LoRA: the adapters) and, when one is known, the tokenizer.
+
+        Raises:
+            TrainingError: a weight is NaN or infinite; nothing is written.
+        """
+        broken = [name for name, p in self.model.named_parameters() if not torch.isfinite(p).all()]
+        if broken:
+            raise TrainingError(
+                f"not exporting to {path}: {len(broken):,} weight tensors hold NaN or inf (first: {broken[0]}); "
+                f"the run diverged: lower model.lr or set trainer.gradient_clip_val, and train again"
+            )
         self.model.save_pretrained(path)
         tokenizer = getattr(self._trainer.datamodule, "tokenizer", None) if self._trainer is not None else None
         if tokenizer is None and self.hparams.model_config is None:
@@ -302,13 +408,14 @@ class PackedCausalLM(LightningModule):
 
 
 def check_loss_settings(loss_impl: str, chunk_size: int, normalization: str) -> None:
-    """Raise a ValueError naming the setting when the loss options cannot work together."""
+    """Raise a `ConfigError` naming the setting when the loss options cannot work together."""
     if loss_impl not in ("chunked", "full", "liger"):
-        raise ValueError(f"model.loss_impl={loss_impl!r}: use chunked, full or liger")
-    if chunk_size < 1:
-        raise ValueError(f"model.loss_chunk_size={chunk_size}: label tokens per chunk, must be >= 1")
+        raise ConfigError("model.loss_impl", f"{loss_impl!r} is not a choice", "use chunked, full or liger")
+    check_range("model.loss_chunk_size", chunk_size, 1)
     if loss_impl == "liger" and normalization != "token":
-        raise ValueError("model.loss_impl=liger sums token losses only: use model.loss_normalization=token")
+        raise ConfigError(
+            "model.loss_impl", "liger sums token losses only", "use model.loss_normalization=token or chunked"
+        )
 
 
 @torch.no_grad()
@@ -328,29 +435,50 @@ def check_head_inputs(lm: PackedCausalLM) -> None:
         hf.train(was_training)
     scale = max(1.0, expected.abs().max().item())
     if not torch.allclose(got, expected, rtol=0, atol=1e-4 * scale):
-        raise ValueError(
-            f"{type(hf).__name__}: the LM head applied to the final hidden states does not reproduce the model's "
-            "logits (the model rescales them in its forward): set model.loss_impl=full"
+        raise ConfigError(
+            "model.loss_impl",
+            f"{type(hf).__name__}'s LM head applied to its final hidden states does not reproduce its logits (the "
+            "model rescales them in its forward)",
+            "set model.loss_impl=full",
         )
 
 
 def check_liger(device: torch.device, head: torch.nn.Module) -> None:
     """`loss_impl=liger` needs CUDA, the liger-kernel package and a plain linear LM head."""
     if device.type != "cuda":
-        raise ValueError(f"model.loss_impl=liger runs Triton kernels on CUDA, not on {device}: use chunked")
+        raise ConfigError("model.loss_impl", f"liger runs Triton kernels on CUDA, not on {device}", "use chunked")
     try:
         import liger_kernel  # noqa: F401
     except ImportError as err:
-        raise ValueError("model.loss_impl=liger needs `pip install lit_packing[liger]` (liger-kernel)") from err
+        raise ConfigError("model.loss_impl", "liger needs liger-kernel", "pip install lit_packing[liger]") from err
     if type(head) is not torch.nn.Linear:
-        raise ValueError(f"model.loss_impl=liger needs a plain nn.Linear LM head, got {type(head).__name__}")
+        raise ConfigError("model.loss_impl", f"liger needs a plain nn.Linear LM head, not {type(head).__name__}")
 
 
-def scale_gradients(parameters, factor: torch.Tensor) -> None:
-    """Multiply every gradient by a 0-dim (device) tensor in one fused call: no host sync."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if grads:
-        torch._foreach_mul_(grads, factor.to(grads[0].device))
+def _check_settings(hp: Mapping[str, Any]) -> None:
+    """Range-check the numeric settings and choices, naming each by its CLI path (`model.lr`)."""
+    if hp["loss_normalization"] not in ("token", "sequence"):
+        choice = hp["loss_normalization"]
+        raise ConfigError("model.loss_normalization", f"{choice!r} is not a choice", "use token or sequence")
+    if hp["nonfinite"] not in ("error", "skip"):
+        raise ConfigError("model.nonfinite", f"{hp['nonfinite']!r} is not a policy", "use error or skip")
+    check_range("model.lr", hp["lr"], 0)  # 0 is a dry run: gradients without updates
+    check_range("model.weight_decay", hp["weight_decay"], 0)
+    check_range("model.eps", hp["eps"], 0, low_open=True)
+    check_range("model.warmup_steps", hp["warmup_steps"], 0)
+    check_range("model.min_lr_ratio", hp["min_lr_ratio"], 0, 1)
+    check_range("model.vocab_size", hp["vocab_size"], 1)
+    for i, beta in enumerate(hp["betas"]):
+        check_range(f"model.betas[{i}]", beta, 0, 1, high_open=True)
+
+
+def _backend_here(backend: str, device: torch.device | str) -> str:
+    """`resolve_backend`, raising a `ConfigError` that lists the backends this device can run."""
+    try:
+        return resolve_backend(backend, device)
+    except ValueError as error:
+        usable = ", ".join(available_backends(device))
+        raise ConfigError("model.attn_backend", str(error), f"on {device} these run: auto, {usable}") from None
 
 
 def lr_schedule(kind: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):

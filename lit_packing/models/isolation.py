@@ -4,7 +4,7 @@ the real model and backend before the first training step.
     check_packed_batch(batch)                       # every batch, on the host, before the transfer
     check_isolation(model, batch, "cpu_varlen")     # once: packed forward == forward of each example alone
 
-The failures they catch are silent otherwise (see ANCHORS.md): a 2D attention_mask that makes transformers drop
+The failures they catch are silent otherwise: a 2D attention_mask that makes transformers drop
 packed isolation (transformers#46634), position ids that run on across examples, a backend that ignores
 `cu_seq_lens`, a model whose attention does not go through transformers' AttentionInterface.
 """
@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedModel
+
+from lit_packing.models.attention import last_kernel_dtype, reset_kernel_dtype
 
 # Allowed max |packed - per-example| of the logits, relative to max(1, max |logits|), by compute dtype. Packed and
 # per-example fp32 agree to ~1e-6 (different kernels, same math); examples that see each other differ by far more.
@@ -85,25 +87,45 @@ def attn_implementation_set(model: PreTrainedModel, name: str) -> Iterator[None]
         model.set_attn_implementation(previous)
 
 
-def sample_packed(batch: Mapping[str, Any], max_examples: int = 8, max_example_tokens: int = 256) -> dict[str, Any]:
+def sample_packed(
+    batch: Mapping[str, Any], max_examples: int = 8, max_example_tokens: int = 256, vocab_size: int | None = None
+) -> dict[str, Any]:
     """A small packed batch from the first examples of `batch`, each cut to its first tokens.
 
     Causal attention makes a prefix of an example behave exactly as the example does, so the cut keeps the test
     exact while bounding its cost. The batch's own position ids are kept (a collator bug shows up).
     Lengths 300, 40, 700 with max_example_tokens=256 -> 256, 40, 256; cu_seq_lens [0 256 296 552].
+
+    With `vocab_size`, the sample always holds exactly `max_examples` examples: a batch with fewer (an empty
+    pack) is topped up with seeded random ones. Then every rank runs the same number of forwards, which keeps a
+    sharded model's collectives (FSDP all-gathers every forward) matched across ranks.
     """
     cu = batch["cu_seq_lens_q"].cpu().tolist()
-    spans = [(a, min(b, a + max_example_tokens)) for a, b in zip(cu[:-1], cu[1:]) if b > a][:max_examples]
-    small = {
-        key: torch.cat([batch[key][:, a:b] for a, b in spans], dim=1)
-        for key in ("input_ids", "position_ids")
-        if key in batch
+    labels = batch["labels"][0].cpu() if "labels" in batch else None
+    # Real examples only: a segment without labels is the collator's tail padding or an empty pack's token.
+    spans = [
+        (a, min(b, a + max_example_tokens))
+        for a, b in zip(cu[:-1], cu[1:])
+        if b > a and (labels is None or bool((labels[a:b] != -100).any()))
+    ][:max_examples]
+    ids = [batch["input_ids"][0, a:b].cpu() for a, b in spans]
+    pos = [batch["position_ids"][0, a:b].cpu() for a, b in spans]
+    if vocab_size is not None:
+        gen = torch.Generator().manual_seed(0)
+        for j in range(max_examples - len(spans)):
+            ids.append(torch.randint(vocab_size, (5 + 3 * j,), generator=gen))
+            pos.append(torch.arange(5 + 3 * j))
+    lengths = [len(x) for x in ids]
+    device = batch["input_ids"].device
+    new_cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return {
+        "input_ids": torch.cat(ids)[None].to(device),
+        "position_ids": torch.cat(pos)[None].to(device),
+        "cu_seq_lens_q": new_cu,
+        "cu_seq_lens_k": new_cu,
+        "max_length_q": max(lengths),
+        "max_length_k": max(lengths),
     }
-    lengths = [b - a for a, b in spans]
-    new_cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    new_cu = new_cu.to(batch["cu_seq_lens_q"].device)
-    small.update(cu_seq_lens_q=new_cu, cu_seq_lens_k=new_cu, max_length_q=max(lengths), max_length_k=max(lengths))
-    return small
 
 
 @torch.no_grad()
@@ -125,7 +147,8 @@ def check_isolation(
         batch: a packed batch on the model's device; its first examples are used (see `sample_packed`).
         backend: the backend name, for the error message.
         reference: transformers attention for the per-example forward (default sdpa, eager where sdpa is missing).
-        rtol: allowed max abs difference relative to max(1, max |logits|); default by dtype (ISOLATION_RTOL).
+        rtol: allowed max abs difference relative to max(1, max |logits|); default by the dtype the packed forward
+            computed in (ISOLATION_RTOL): the autocast / parameter dtype, or the attention kernel's where lower.
 
     Returns:
         The max abs difference of the logits.
@@ -133,15 +156,17 @@ def check_isolation(
     Raises:
         IsolationError: naming the backend, the difference and the tolerance.
     """
-    small = sample_packed(batch)
-    cu = small["cu_seq_lens_q"].cpu().tolist()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    small = sample_packed(batch, vocab_size=base.config.get_text_config().vocab_size)
+    cu = small["cu_seq_lens_q"].cpu().tolist()
     if reference is None:
         reference = "sdpa" if getattr(base, "_supports_sdpa", False) else "eager"
     was_training = model.training
     model.eval()
     try:
+        reset_kernel_dtype()
         packed = model(**small, use_cache=False).logits[0].float()  # (T, V)
+        kernel_dtype = last_kernel_dtype()
         with attn_implementation_set(base, reference):
             alone = []
             for start, end in zip(cu[:-1], cu[1:]):
@@ -154,6 +179,8 @@ def check_isolation(
     diff = float((packed - per_example).abs().max())
     scale = max(1.0, float(per_example.abs().max()))
     dtype = _compute_dtype(model)
+    if kernel_dtype is not None and torch.finfo(kernel_dtype).eps > torch.finfo(dtype).eps:
+        dtype = kernel_dtype  # the attention kernel ran below the model's precision: judge by what it ran in
     tol = (rtol if rtol is not None else ISOLATION_RTOL.get(dtype, 5e-2)) * scale
     if not diff <= tol:  # also catches nan
         raise IsolationError(

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from lit_packing.assets import resolve_pretrained
+from lit_packing.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,13 @@ def load_causal_lm(
     if model_config is not None:
         cfg = dict(model_config)
         if vocab_size is not None:
+            if cfg.get("vocab_size") not in (None, vocab_size):
+                log.warning(
+                    "model.model_config.vocab_size=%s is replaced by the tokenizer's size %d (model.vocab_size, "
+                    "linked from data.vocab_size): the embeddings must hold every token id",
+                    cfg["vocab_size"],
+                    vocab_size,
+                )
             cfg["vocab_size"] = int(vocab_size)
         config = AutoConfig.for_model(**cfg)
         lm = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch_dtype(dtype))
@@ -70,10 +78,11 @@ def check_packing_support(lm: PreTrainedModel) -> None:
     boundaries can be honoured)."""
     can_set = getattr(type(lm), "_can_set_attn_implementation", None)  # transformers >= 4.56
     if can_set is not None and not can_set():
-        raise ValueError(
+        raise ConfigError(
+            "model.model",
             f"{type(lm).__name__} ({lm.config.model_type}) does not route attention through transformers' "
-            "AttentionInterface, so packed examples cannot be kept apart: choose a model that does (Llama, Qwen2/3, "
-            "Mistral, Phi-3, Gemma, GPT-NeoX, GPT-2, ...)"
+            "AttentionInterface, so packed examples cannot be kept apart",
+            "choose a model that does (Llama, Qwen2/3, Mistral, Phi-3, Gemma, GPT-NeoX, GPT-2, ...)",
         )
 
 
@@ -82,9 +91,10 @@ def _fit_vocabulary(lm: PreTrainedModel, vocab_size: int | None, resize: bool, n
     if vocab_size is None or vocab_size <= rows:
         return
     if not resize:
-        raise ValueError(
-            f"the tokenizer has {vocab_size:,} tokens but model {name!r} has {rows:,} embedding rows: use the "
-            "model's own tokenizer, or set model.resize_embeddings=true to add (untrained) rows"
+        raise ConfigError(
+            "data.tokenizer",
+            f"the tokenizer has {vocab_size:,} tokens but model {name!r} has {rows:,} embedding rows",
+            "use the model's own tokenizer, or set model.resize_embeddings=true to add (untrained) rows",
         )
     log.warning("resizing %s embeddings from %d to %d rows for the tokenizer", name, rows, vocab_size)
     lm.resize_token_embeddings(vocab_size)

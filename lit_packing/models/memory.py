@@ -37,6 +37,7 @@ from lit_packing.data.collate import (
     PaddedCollator,
     _padded_length,
 )
+from lit_packing.errors import LitPackingError
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,10 @@ PROBE_LENGTHS = (64, 128, 256)
 # Bytes per logit while the loss runs: the head's output, the fp32 upcast (or the bf16 gradient under autocast),
 # the log-softmax kept for backward, its fp32 gradient.
 LOGIT_BYTES = 16
+
+
+class StepMemoryError(LitPackingError, MemoryError):
+    """The predicted peak memory of the largest step exceeds what the device has (printed alone by the CLI)."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +143,7 @@ class MemoryEstimate:
         )
 
     def check(self) -> None:
-        """Raise a MemoryError naming the step size and the settings that shrink it, when it will not fit."""
+        """Raise a `StepMemoryError` naming the step size and the settings that shrink it, when it will not fit."""
         if self.fits:
             return
         knobs = [
@@ -151,7 +156,7 @@ class MemoryEstimate:
             knobs.append("model.loss_impl=chunked (the loss never builds the (tokens, vocabulary) logits)")
         elif self.logits > GiB // 4:
             knobs.append("a smaller model.loss_chunk_size")
-        raise MemoryError(
+        raise StepMemoryError(
             f"this fit would run out of memory: {self.summary()}. The step needs "
             f"{(self.peak - self.resident) / GiB:.2f} GiB more than the process holds. Lower it with: "
             + "; ".join(knobs)

@@ -4,6 +4,7 @@ from lit_packing.samplers.base import PackPlan, PlannedBatchSampler, deal
 from lit_packing.samplers.best_fit import BestFitPackingSampler, best_fit_packs
 from lit_packing.samplers.fixed_length import FixedLengthPackingSampler, fixed_length_rows
 from lit_packing.samplers.length_grouped import LengthGroupedSampler
+from lit_packing.samplers.multipack import MultipackSampler, pack_costs, straggler_factor
 from lit_packing.samplers.random_batch import RandomBatchSampler
 from lit_packing.samplers.sequential import SequentialPackingSampler
 
@@ -11,6 +12,7 @@ __all__ = [
     "BestFitPackingSampler",
     "FixedLengthPackingSampler",
     "LengthGroupedSampler",
+    "MultipackSampler",
     "PackPlan",
     "PlannedBatchSampler",
     "RandomBatchSampler",
@@ -18,4 +20,6 @@ __all__ = [
     "best_fit_packs",
     "deal",
     "fixed_length_rows",
+    "pack_costs",
+    "straggler_factor",
 ]

@@ -20,14 +20,17 @@ Usage: ``sampler = BestFitPackingSampler(lengths, max_tokens=4096); DataLoader(d
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
+
+from lit_packing.data.collate import Pack, step_totals
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,9 +134,16 @@ class PlannedBatchSampler(Sampler[list]):
         self._rank = rank
         self._world_size = world_size
         self.epoch = 0
-        self.accumulate = 1  # micro-batches per optimizer step; the data module sets trainer.accumulate_grad_batches
-        self._yielded = 0  # batches this rank handed out in the current epoch (resume point)
-        self._resume = False  # True after load_state_dict: the next __iter__ starts at self._yielded
+        # Set by the data module: micro-batches per optimizer step (trainer.accumulate_grad_batches), and a function
+        # giving the trained tokens of each item, with which every pack holds its optimizer step's totals.
+        self.accumulate = 1
+        self.label_counter: Callable[[list], list[int]] | None = None
+        self._yielded = 0  # batches of the current epoch handed out (the position when no trainer reports one)
+        # After load_state_dict: where passes over this epoch start, until one pass completes. Kept across several
+        # iter() calls, because a DataLoader may start (and prefetch from) an iterator it then throws away.
+        self._resume_at: int | None = None
+        # After a resume onto another world size / accumulation: (steps trained before, pack ids still to train).
+        self._elastic: tuple[int, np.ndarray] | None = None
         self._plans: OrderedDict[tuple[int, int], PackPlan] = OrderedDict()
         if self.rank >= self.world_size:
             raise ValueError(f"rank={self.rank} must be < world_size={self.world_size}")
@@ -187,46 +197,139 @@ class PlannedBatchSampler(Sampler[list]):
         return np.where(schedule >= 0, pack_ids[np.maximum(schedule, 0)], -1)
 
     def schedule(self, epoch: int | None = None) -> np.ndarray:
-        """(steps, world_size) pack ids of ``epoch`` per step and rank, -1 for an empty pack (see ``_deal``)."""
+        """(steps, world_size) pack ids of ``epoch`` per step and rank, -1 for an empty pack (see ``_deal``).
+
+        For the epoch being resumed onto another world size, the steps after the resume point only (see
+        ``load_state_dict``); ``__len__`` adds the steps trained before it.
+        """
+        epoch = self.epoch if epoch is None else epoch
         plan = self.plan(epoch)
-        return self._deal(plan, np.arange(len(plan), dtype=np.int64), self.world_size)
+        resumed = self._elastic if self._elastic is not None and epoch == self.epoch else None
+        pack_ids = resumed[1] if resumed is not None else np.arange(len(plan), dtype=np.int64)
+        return self._deal(plan, pack_ids, self.world_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch to plan; a pending resume point survives only if it belongs to this epoch."""
         if epoch != self.epoch:
             self.epoch = epoch
             self._yielded = 0
-            self._resume = False
+            self._resume_at = None
+            self._elastic = None
+
+    @property
+    def _offset(self) -> int:
+        """Steps of this epoch trained before ``schedule()`` begins (non-zero only after an elastic resume)."""
+        return self._elastic[0] if self._elastic is not None else 0
 
     def __len__(self) -> int:
-        return len(self.schedule())
+        return self._offset + len(self.schedule())
 
     def __iter__(self) -> Iterator[list]:
-        # Not a generator function: the resume point is consumed (and the count reset) when iter() is called.
-        plan, column = self.plan(), self.schedule()[:, self.rank]
-        start = self._yielded if self._resume else 0
-        self._yielded, self._resume = start, False
-        return self._batches(plan, column, start)
+        plan, schedule = self.plan(), self.schedule()
+        start = self._resume_at if self._resume_at is not None else self._offset
+        self._yielded = start
+        return self._batches(plan, schedule, start)
 
-    def _batches(self, plan: PackPlan, column: np.ndarray, start: int) -> Iterator[list]:
-        for step in range(start, len(column)):
-            self._yielded = step + 1  # counted before the yield: a state_dict taken now includes this batch
-            yield plan.pack(int(column[step]))
+    def _batches(self, plan: PackPlan, schedule: np.ndarray, start: int) -> Iterator[list]:
+        offset, accumulate = self._offset, max(1, self.accumulate)
+        step = None
+        for absolute in range(start, offset + len(schedule)):
+            if self.label_counter is not None and (step is None or absolute % accumulate == 0):
+                step = self._step_totals(plan, schedule, absolute, offset, accumulate)
+            self._yielded = absolute + 1  # counted before the yield: a state_dict taken now includes this batch
+            yield Pack(plan.pack(int(schedule[absolute - offset, self.rank])), step=step)
+        self._resume_at = None  # a whole pass is done: the next one is a whole epoch
 
-    def state_dict(self) -> dict[str, int]:
-        """What resuming mid-epoch needs: the epoch, the seed and the batches this rank already yielded in it.
+    def _step_totals(
+        self, plan: PackPlan, schedule: np.ndarray, absolute: int, offset: int, accumulate: int
+    ) -> dict[str, int]:
+        """Totals of the optimizer step holding micro-batch ``absolute``: all its micro-batches on all ranks.
 
-        The count is the same on every rank (equal step counts). A DataLoader runs ahead of training by its
-        prefetch depth: to resume at the last *trained* batch, store that batch count as ``batches_yielded``.
+        Lightning steps the optimizer after every ``accumulate`` micro-batches of the epoch and after its last one,
+        so the step's rows are ``[g * accumulate, (g + 1) * accumulate)`` cut to the epoch, ``g = absolute //
+        accumulate``. Every rank computes the same totals from the same global schedule: no communication.
         """
-        return {"epoch": self.epoch, "seed": self.seed, "batches_yielded": self._yielded}
+        first = (absolute // accumulate) * accumulate
+        rows = schedule[max(first - offset, 0) : first + accumulate - offset]
+        items = [item for p in rows.ravel() for item in plan.pack(int(p))]
+        return step_totals(self.label_counter(items))
+
+    # ------------------------------------------------------------ resume
+
+    def fingerprint(self) -> str:
+        """Identity of the epoch's plan: the dataset's lengths, the strategy and its settings, the seed and epoch.
+
+        Any change that would make a checkpoint's position mean other examples changes it (world size and
+        gradient accumulation do not: only dealing depends on them, and a resume re-deals).
+        """
+        plan = self.plan()
+        digest = hashlib.sha1(type(self).__name__.encode())
+        for array in (self.lengths, plan.items, plan.offsets):
+            digest.update(np.ascontiguousarray(array).tobytes())
+        return digest.hexdigest()
+
+    def state_dict(self, steps_done: int | None = None) -> dict[str, Any]:
+        """The position in the epoch: what resuming needs to train exactly the batches not yet trained.
+
+        Args:
+            steps_done: micro-batches of this epoch already TRAINED on each rank (the data module passes
+                Lightning's count). Default: the batches handed out, which runs ahead of training by the
+                DataLoader's prefetch when there are workers.
+        """
+        steps = self._yielded if steps_done is None else int(steps_done)
+        return {
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "steps_done": steps,
+            "world_size": self.world_size,
+            "accumulate": self.accumulate,
+            "fingerprint": self.fingerprint(),
+            "elastic": None if self._elastic is None else (self._elastic[0], self._elastic[1].tolist()),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``state_dict()``: the next ``__iter__`` yields exactly the batches not yet yielded."""
-        self.epoch = int(state["epoch"])
-        self.seed = int(state["seed"])
-        self._yielded = int(state["batches_yielded"])
-        self._resume = True
+        """Restore ``state_dict()``: the next ``__iter__`` yields exactly the batches not yet trained.
+
+        On another world size (or gradient accumulation) the packs not yet trained -- all of them, none twice --
+        are dealt again for the new layout and the epoch continues; the next epoch is planned as usual.
+
+        Raises:
+            ValueError: the checkpoint was taken with another seed, dataset or sampler setting.
+        """
+        if int(state["seed"]) != self.seed:
+            raise ValueError(
+                f"the checkpoint's data position was saved with seed={state['seed']} but this run uses "
+                f"seed={self.seed}: resume with the same data.seed (or start a new run without --ckpt_path)"
+            )
+        self.set_epoch(int(state["epoch"]))
+        self._elastic = None
+        if state["fingerprint"] != self.fingerprint():
+            raise ValueError(
+                f"the checkpoint's data position belongs to another plan than {self!r} makes for epoch "
+                f"{self.epoch}: the dataset (data.source, data.limit, data.max_length, the tokenizer) or the sampler "
+                f"(data.sampler and its init_args) changed since it was saved. Resume with the same data settings, "
+                f"or start a new run without --ckpt_path"
+            )
+        steps = int(state["steps_done"])
+        elastic = state.get("elastic")
+        if elastic is not None:
+            self._elastic = (int(elastic[0]), np.asarray(elastic[1], dtype=np.int64))
+        if (int(state["world_size"]), int(state["accumulate"])) != (self.world_size, self.accumulate):
+            self._elastic = self._remaining_after(steps, int(state["world_size"]), int(state["accumulate"]))
+        self._yielded = self._resume_at = steps
+
+    def _remaining_after(self, steps: int, world_size: int, accumulate: int) -> tuple[int, np.ndarray]:
+        """``(steps, pack ids not yet trained)`` after ``steps`` micro-batches of the saved layout, in its order."""
+        current = self.accumulate
+        self.accumulate = accumulate  # the saved layout's dealing
+        try:
+            plan = self.plan()
+            pack_ids = self._elastic[1] if self._elastic is not None else np.arange(len(plan), dtype=np.int64)
+            saved = self._deal(plan, pack_ids, world_size)
+        finally:
+            self.accumulate = current
+        rest = saved[steps - self._offset :].ravel()
+        return steps, rest[rest >= 0]
 
     def __repr__(self) -> str:
         return (

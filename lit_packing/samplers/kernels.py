@@ -1,4 +1,4 @@
-"""Numba kernels for the packing samplers: counting sort, best-fit-decreasing and next-fit bin packing.
+"""Numba kernels for the packing samplers: counting sort, bin packing (best fit, next fit), dealing packs to ranks.
 
 The only module that imports numba. Every kernel is plain Python compiled with ``njit(cache=True)`` (compiled once
 per install, then loaded from ``__pycache__``); the uncompiled function stays reachable as ``kernel.py_func`` and the
@@ -145,3 +145,53 @@ def next_fit(sizes: np.ndarray, capacity: int) -> np.ndarray:
         used += sizes[i]
     offsets[n_bins] = n
     return offsets[: n_bins + 1].copy()
+
+
+@numba.njit(cache=True)
+def balance_steps(costs: np.ndarray, ranks: int, per_rank: int) -> np.ndarray:
+    """Deal items sorted by decreasing cost to ranks, one optimizer step at a time, evening out each step's load.
+
+    Consecutive items form a step of ``ranks * per_rank`` (the last step takes what is left, ``rows =
+    ceil(left / ranks)`` per rank). Within a step, longest-processing-time first with a cardinality cap: each item
+    goes to the least loaded rank (fewest items on ties) that still has a free micro-step, so a rank's items come
+    out in decreasing cost and every micro-step of the step is balanced too. In the last step every rank gets
+    ``rows`` or ``rows - 1`` items, so empty slots are only in the last micro-step, as with round-robin.
+
+    Args:
+        costs: (n,) float64, non-increasing.
+        ranks: number of ranks (world size).
+        per_rank: micro-steps per optimizer step (gradient accumulation).
+
+    Returns:
+        (micro_steps, ranks) int64 positions into ``costs``, -1 where a rank has nothing left in the last step.
+
+    Example: costs ``[9, 8, 2, 1]``, 2 ranks, 2 micro-steps -> ``[[0, 1], [3, 2]]``: 9 + 1 and 8 + 2.
+    """
+    n = costs.shape[0]
+    group = ranks * per_rank
+    n_rows = (n // group) * per_rank + (n % group + ranks - 1) // ranks
+    out = np.full((n_rows, ranks), -1, dtype=np.int64)
+    load = np.zeros(ranks, dtype=np.float64)
+    count = np.zeros(ranks, dtype=np.int64)
+    row0 = 0
+    for start in range(0, n, group):
+        stop = min(start + group, n)
+        rows = per_rank if stop - start == group else (stop - start + ranks - 1) // ranks
+        load[:] = 0.0
+        count[:] = 0
+        need = ranks * (rows - 1)  # slots that must be filled so that no rank has two empty micro-steps
+        for i in range(start, stop):
+            spare = stop - i > need  # when no item is spare, only ranks below rows - 1 may take one
+            best = -1
+            for r in range(ranks):
+                if count[r] >= rows or not (spare or count[r] < rows - 1):
+                    continue
+                if best < 0 or load[r] < load[best] or (load[r] == load[best] and count[r] < count[best]):
+                    best = r
+            if count[best] < rows - 1:
+                need -= 1
+            out[row0 + count[best], best] = i
+            count[best] += 1
+            load[best] += costs[i]
+        row0 += rows
+    return out

@@ -25,6 +25,7 @@ def tiny_overrides(tmp_path: Path) -> list[str]:
         "--trainer.fast_dev_run=2",
         "--trainer.accelerator=cpu",
         "--trainer.devices=1",
+        "--trainer.num_nodes=1",
         "--trainer.precision=32-true",
         f"--trainer.default_root_dir={tmp_path}",
         f"--trainer.logger={json.dumps({'class_path': 'CSVLogger', 'init_args': {'save_dir': str(tmp_path)}})}",
@@ -33,7 +34,7 @@ def tiny_overrides(tmp_path: Path) -> list[str]:
 
 def test_every_config_is_found():
     names = {c.stem for c in CONFIGS}
-    assert {"quickstart", "padding", "minibatch_packing", "bestfit_packing", "gpu"} <= names
+    assert {"quickstart", "padding", "minibatch_packing", "bestfit_packing", "gpu", "multipack"} <= names
     assert {"fixed_packing_position_ids", "fixed_packing_no_position_ids"} <= names
 
 

@@ -6,7 +6,7 @@ from transformers import DataCollatorWithFlattening
 
 from lit_packing.data.collate import IGNORE_INDEX, PackedCollator, PaddedCollator, is_packed
 
-LENGTHS = (4, 8, 5, 11)  # the worked example of PAPER.md
+LENGTHS = (4, 8, 5, 11)  # the paper's worked example (arXiv 2407.09105)
 
 
 def make_examples(lengths=LENGTHS, masked_prefix=0):

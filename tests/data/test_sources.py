@@ -83,7 +83,7 @@ def test_champ_problems(cache_dir):
 
 def test_chatterbot(cache_dir):
     dialogues = Chatterbot().load(cache_dir)
-    assert len(dialogues) == 2_026
+    assert len(dialogues) == 2_025  # one trivia entry is a string, not a dialogue
     for messages in dialogues["messages"]:
         assert roles(messages) == ["user", "assistant"] * (len(messages) // 2)
     assert dialogues[0]["category"] == "ai"
@@ -128,7 +128,10 @@ def test_hf_dataset_local_jsonl_with_field_map(tmp_path):
     path = write_jsonl(tmp_path / "qa.jsonl", [{"q": "2+2?", "a": "4"}, {"q": "3+3?", "a": "6"}])
     loaded = HFDataset(path, split="train", field_map={"q": "prompt", "a": "completion"}).load(str(tmp_path / "c"))
     assert isinstance(loaded, datasets.Dataset)
-    assert loaded.to_list() == [{"prompt": "2+2?", "completion": "4"}, {"prompt": "3+3?", "completion": "6"}]
+    assert loaded.to_list() == [
+        {"_line": 1, "_problem": "", "prompt": "2+2?", "completion": "4"},
+        {"_line": 2, "_problem": "", "prompt": "3+3?", "completion": "6"},
+    ]
     whole = HFDataset(path, field_map={"q": "prompt", "a": "completion"}).load(str(tmp_path / "c"))
     assert isinstance(whole, datasets.DatasetDict) and list(whole) == ["train"]
 

@@ -16,6 +16,7 @@ from lit_packing.data.tokenize import (
     tokenization_fingerprint,
     tokenize_dataset,
 )
+from lit_packing.errors import DataError
 
 IGNORE = -100
 CHAT = [
@@ -127,8 +128,10 @@ def test_error_names_the_example_and_the_knobs(smollm2_tokenizer):
     with pytest.raises(ValueError) as error:
         tokenize_dataset(datasets.Dataset.from_list(TEXTS), smollm2_tokenizer, max_length=8, overlong="error")
     assert str(error.value) == (
-        "example 1 has 10 tokens > max_length=8: raise data.max_length or set data.overlong=truncate (or drop)"
+        "2 examples over max_length=8, first row 1 (10 tokens); row 2 (20 tokens): "
+        "raise data.max_length or set data.overlong=truncate (or drop)"
     )
+    assert error.value.rows == [1, 2]
 
 
 def test_examples_left_without_labels_are_dropped_and_counted(smollm2_tokenizer):
@@ -140,9 +143,12 @@ def test_examples_left_without_labels_are_dropped_and_counted(smollm2_tokenizer)
     assert out["index"] == [1]
     assert (report.dropped_no_label_examples, report.dropped_no_label_tokens) == (1, 12)
     assert (report.examples_in, report.examples_out, report.truncated_examples, report.label_tokens) == (2, 1, 0, 2)
-    no_assistant = [{"messages": [{"role": "user", "content": "Hi"}]}]
-    _, report = tokenize_dataset(datasets.Dataset.from_list(no_assistant), smollm2_tokenizer)
-    assert (report.examples_out, report.dropped_no_label_examples) == (0, 1)
+    one_token = [{"text": ""}, {"prompt": "", "completion": "x"}]  # 1 token + eos: only the first is unlabelled
+    _, report = tokenize_dataset(datasets.Dataset.from_list(one_token[1:]), smollm2_tokenizer)
+    assert (report.examples_out, report.label_tokens, report.dropped_no_label_examples) == (1, 1, 0)
+    only_prompt = [{"prompt": words(10), "completion": "x"}] * 2
+    with pytest.raises(DataError, match=r"nothing to train on: no example of 2 is left .*data.max_length"):
+        tokenize_dataset(datasets.Dataset.from_list(only_prompt), smollm2_tokenizer, max_length=8)
 
 
 def test_report_as_dict_and_sum(smollm2_tokenizer):
@@ -175,7 +181,7 @@ def test_cache_is_reused_and_keyed_by_settings(tmp_path, smollm2_tokenizer, monk
     again, report = tokenize_dataset(datasets.load_from_disk(str(tmp_path / "raw")), smollm2_tokenizer)
     assert counter.calls == 1  # not recomputed
     assert again.cache_files == first.cache_files and report.examples_out == 3
-    shorter, _ = tokenize_dataset(raw, smollm2_tokenizer, max_length=16)
+    shorter, _ = tokenize_dataset(raw, smollm2_tokenizer, train_on="all")
     assert counter.calls == 2 and shorter.cache_files != first.cache_files
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+from transformers.masking_utils import AttentionMaskInterface
 
 from lit_packing.data.collate import PackedCollator, PaddedCollator
+from lit_packing.models import IsolationError, attention, check_isolation
 from lit_packing.models.attention import (
     attn_implementation,
     boundaries_from_positions,
@@ -96,6 +98,41 @@ EXTRA_FAMILIES = {
         head_dim=16,
         sliding_window=4,
         attn_logit_softcapping=5.0,
+    ),
+    # q/k norms, explicit head_dim
+    "qwen3": dict(
+        model_type="qwen3",
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),
+    # scaled embeddings, GeGLU, multi-query attention
+    "gemma": dict(
+        model_type="gemma",
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+    ),
+    # fused qkv / gate-up projections
+    "phi3": dict(
+        model_type="phi3",
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     ),
     # learned absolute positions
     "gpt2": dict(
@@ -275,3 +312,28 @@ def test_gpu_model_packed_matches_fp32_per_example(tiny_llama_config, backend):
             out = model(**inputs, use_cache=False).logits[0]
     base_err = (base.float() - ref).abs().max().item()
     assert (out.float() - ref).abs().max().item() <= 2 * base_err + 1e-4
+
+
+def _bf16_cpu_varlen(q, k, v, *args, **kwargs):
+    """The exact CPU kernel run the way the GPU kernels run fp32 activations: cast to bf16 by `_half`."""
+    out = attention._cpu_varlen(*(attention._half(x, "bf16_cpu_varlen") for x in (q, k, v)), *args, **kwargs)
+    return out.to(q.dtype)
+
+
+def test_low_precision_kernel_warns_once_and_sets_the_self_test_tolerance(tiny_llama_config, caplog):
+    """A kernel that casts fp32 activations says so once, naming the dtype; the isolation self-test then judges
+    by the dtype the kernel ran in (bf16), not the model's fp32, so a correct run passes."""
+    AttentionInterface.register("bf16_cpu_varlen", attention._attention_forward(_bf16_cpu_varlen))
+    AttentionMaskInterface.register("bf16_cpu_varlen", attention._padding_only_mask)
+    model = tiny_model(tiny_llama_config, attn="bf16_cpu_varlen")
+    batch = PackedCollator()(make_examples(LENGTHS))
+    attention._warn_cast.cache_clear()
+    with caplog.at_level("WARNING", logger=attention.__name__):
+        diff = check_isolation(model, batch, "bf16_cpu_varlen")
+        check_isolation(model, batch, "bf16_cpu_varlen")
+    warnings = [r for r in caplog.records if "computes in bfloat16" in r.getMessage()]
+    assert len(warnings) == 1 and "float32 activations" in warnings[0].getMessage()
+    assert attention.last_kernel_dtype() == torch.bfloat16
+    assert diff > 1e-4  # bf16 attention differs from the fp32 reference by more than the fp32 tolerance ...
+    with pytest.raises(IsolationError):  # ... which, forced, would fail this correct backend
+        check_isolation(model, batch, "bf16_cpu_varlen", rtol=1e-4)

@@ -9,13 +9,13 @@ import sys
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from lit_packing.data.collate import PackedCollator, PaddedCollator
+from lit_packing.data.collate import PackedCollator, PaddedCollator, attach_step
 from lit_packing.models import IsolationError, PackedCausalLM, check_isolation, check_packed_batch
 from lit_packing.models.loss import causal_lm_loss, per_example_losses, token_losses
 
@@ -43,8 +43,10 @@ def make_lm(config, **kwargs) -> PackedCausalLM:
 FP64 = "64-true"
 
 
-def run_one_step(lm, batches, accumulate):
-    """One optimizer step over `batches` (micro-batches) with a real Trainer; the gradients it stepped with."""
+def run_one_step(lm, batches, accumulate, **trainer_kwargs):
+    """One optimizer step over `batches` (micro-batches, given the step's totals as the samplers do) with a real
+    Trainer; the gradients it stepped with."""
+    batches = attach_step(batches)
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
@@ -56,6 +58,7 @@ def run_one_step(lm, batches, accumulate):
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
+        **trainer_kwargs,
     )
     trainer.fit(lm, DataLoader(batches, batch_size=None, collate_fn=lambda b: b))
     return {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}, trainer.callback_metrics
@@ -113,6 +116,70 @@ def test_token_loss_gradient_independent_of_packing(tiny_llama_config, layout):
     ref_grads, ref_loss = reference(tiny_llama_config, examples)
     assert_grads_close(grads, ref_grads)
     torch.testing.assert_close(metrics["train/loss"].double(), ref_loss, atol=0, rtol=1e-9)
+
+
+def test_batches_without_step_totals_are_refused_under_accumulation(tiny_llama_config):
+    """Without the step's totals a micro-batch cannot know its share of the step: a clear error, not a mean of means."""
+    collate = PackedCollator()
+    batches = [collate(c) for c in chunks(make_examples(LENGTHS), [4, 4])]
+    trainer = Trainer(accelerator="cpu", max_steps=1, accumulate_grad_batches=2, logger=False, barebones=True)
+    with pytest.raises(ValueError, match="attach_step"):
+        trainer.fit(make_lm(tiny_llama_config), DataLoader(batches, batch_size=None, collate_fn=lambda b: b))
+
+
+class GradientRecorder(Callback):
+    """What a gradient-norm callback sees (before clipping), and what the optimizer steps with (after clipping)."""
+
+    def on_train_start(self, trainer, pl_module):
+        def record(optimizer, args, kwargs):
+            self.stepped = {n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+
+        trainer.optimizers[0].register_step_post_hook(record)  # the closure runs inside step()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.seen = {n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+
+
+def test_callbacks_see_normalised_gradients_and_clipping_clips_them(tiny_llama_config):
+    examples = make_examples(LENGTHS)
+    ref_grads, _ = reference(tiny_llama_config, examples)
+    ref_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in ref_grads.values()]))
+    recorder = GradientRecorder()
+    collate = PackedCollator()
+    run_one_step(
+        make_lm(tiny_llama_config),
+        [collate(c) for c in chunks(examples, [3, 5])],
+        2,
+        callbacks=[recorder],
+        gradient_clip_val=float(ref_norm) / 2,
+    )
+    assert_grads_close(recorder.seen, ref_grads)  # the global token mean, before any clipping
+    stepped_norm = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g) for g in recorder.stepped.values()])
+    )
+    torch.testing.assert_close(stepped_norm, ref_norm / 2, rtol=1e-5, atol=0)  # clipping was hit, on that gradient
+    assert_grads_close(recorder.stepped, {n: g / 2 for n, g in ref_grads.items()})
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_steps_run(tiny_llama_config, precision):
+    collate = PackedCollator()
+    lm = make_lm(tiny_llama_config, lr=1e-3)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        accumulate_grad_batches=2,
+        precision=precision,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    batches = attach_step([collate(c) for c in chunks(make_examples(LENGTHS), [4, 4])]) * 2
+    trainer.fit(lm, DataLoader(batches, batch_size=None, collate_fn=lambda b: b))
+    assert trainer.global_step == 2 and math.isfinite(float(trainer.callback_metrics["train/loss"]))
+    assert all(torch.isfinite(p).all() for p in lm.parameters())
 
 
 def test_empty_pack_contributes_nothing(tiny_llama_config):
@@ -334,16 +401,16 @@ def test_bf16_mixed_with_clipping_logs_train_loss_in_progress_bar(tiny_llama_con
         enable_model_summary=False,
         limit_val_batches=0,
     )
-    batches = [PackedCollator()(make_examples(LENGTHS))] * 2
+    batches = attach_step([PackedCollator()(make_examples(LENGTHS))]) * 2
     trainer.fit(lm, DataLoader(batches, batch_size=None, collate_fn=lambda b: b))
     assert math.isfinite(float(trainer.progress_bar_metrics["train/loss"]))  # shown in the progress bar
 
 
 DDP_SCRIPT = """
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader
-from lit_packing.data.collate import PackedCollator
+from lit_packing.data.collate import PackedCollator, attach_step
 from lit_packing.models import PackedCausalLM
 from lit_packing.models.loss import token_losses
 
@@ -355,7 +422,8 @@ for n in LENGTHS:
     ids = torch.randint(3, 1000, (n,), generator=gen).tolist()
     examples.append({{"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3:]}})
 # 4 micro-batches of unequal size: rank 0 gets the 1st and 3rd, rank 1 the 2nd and 4th (accumulate 2)
-batches = [PackedCollator()(examples[a:b]) for a, b in [(0, 2), (2, 5), (5, 6), (6, 8)]]
+# (every micro-batch carries the step's global totals, as the samplers give them)
+batches = attach_step([PackedCollator()(examples[a:b]) for a, b in [(0, 2), (2, 5), (5, 6), (6, 8)]])
 
 class Recording(PackedCausalLM):
     def on_before_optimizer_step(self, optimizer):
@@ -401,3 +469,29 @@ def test_real_smollm2_packed_equals_per_example(smollm2_tokenizer):
     examples = [{"input_ids": ids, "labels": ids} for ids in smollm2_tokenizer(chats)["input_ids"]]
     diff = check_isolation(lm.model, PackedCollator()(examples), lm.attn_backend)
     assert lm.attn_backend == "cpu_varlen" and diff < 1e-3
+
+
+@pytest.mark.cuda
+def test_fsdp_step_gives_the_global_token_mean(tiny_llama_config):
+    """Lightning's FSDP needs a GPU: one GPU, 2 micro-batches; the sharded step's gradient norm and loss equal the
+    per-example reference (FSDP reduces gradients like DDP, so the same normalisation holds on more GPUs)."""
+    examples = make_examples(LENGTHS)
+    batches = attach_step([PackedCollator()(c) for c in chunks(examples, [3, 5])])
+
+    class Recording(PackedCausalLM):
+        def on_before_optimizer_step(self, optimizer):
+            super().on_before_optimizer_step(optimizer)
+            local = sum(p.grad.double().pow(2).sum() for p in self.parameters() if p.grad is not None)
+            self.norm = self.trainer.strategy.reduce(local, reduce_op="sum").sqrt().item()
+
+    torch.manual_seed(0)
+    lm = Recording(model_config=tiny_llama_config, lr=0.0)
+    trainer = Trainer(
+        accelerator="gpu", devices=1, strategy="fsdp", max_steps=1, accumulate_grad_batches=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(lm, DataLoader(batches, batch_size=None, collate_fn=lambda b: b))
+    ref_grads, ref_loss = reference(tiny_llama_config, examples)
+    ref_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in ref_grads.values()]))
+    assert lm.norm == pytest.approx(float(ref_norm), rel=1e-3)
+    assert float(trainer.callback_metrics["train/loss"]) == pytest.approx(float(ref_loss), rel=1e-4)

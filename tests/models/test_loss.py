@@ -130,7 +130,7 @@ def test_no_tensor_of_tokens_times_vocabulary(loss_impl):
 def test_bad_loss_settings_are_clear_errors():
     with pytest.raises(ValueError, match="model.loss_chunk_size"):
         make_lm(FAMILIES["llama"], loss_chunk_size=0)
-    with pytest.raises(ValueError, match="loss_normalization=token"):
+    with pytest.raises(ValueError, match="model.loss_normalization=token"):
         make_lm(FAMILIES["llama"], loss_impl="liger", loss_normalization="sequence")
 
 
@@ -141,7 +141,7 @@ def test_liger_on_cpu_is_refused_at_setup():
     lm = make_lm(FAMILIES["llama"], loss_impl="liger")
     trainer = Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False)
     loader = DataLoader([PackedCollator()(make_examples(LENGTHS))], batch_size=None, collate_fn=lambda b: b)
-    with pytest.raises(ValueError, match="model.loss_impl=liger runs Triton kernels on CUDA"):
+    with pytest.raises(ValueError, match="model.loss_impl: liger runs Triton kernels on CUDA"):
         trainer.fit(lm, loader)
 
 

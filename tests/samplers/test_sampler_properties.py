@@ -11,6 +11,7 @@ from lit_packing.samplers import (
     BestFitPackingSampler,
     FixedLengthPackingSampler,
     LengthGroupedSampler,
+    MultipackSampler,
     RandomBatchSampler,
     SequentialPackingSampler,
 )
@@ -25,6 +26,7 @@ SAMPLERS = {
     "sequential": (SequentialPackingSampler, {"max_tokens": MAX_TOKENS, "shuffle": True}),
     "fixed": (FixedLengthPackingSampler, {"max_tokens": MAX_TOKENS}),
     "fixed_rows": (FixedLengthPackingSampler, {"max_tokens": MAX_TOKENS // 2, "rows_per_step": 2}),
+    "multipack": (MultipackSampler, {"max_tokens": MAX_TOKENS, "cost_coefficients": (1.0, 1.0)}),
 }
 
 
@@ -158,7 +160,7 @@ def test_shuffle_changes_plan_across_epochs(name):
     assert fixed.plan(0).packs() == fixed.plan(1).packs()
 
 
-@pytest.mark.parametrize("name", ["random", "grouped", "best_fit", "fixed"])
+@pytest.mark.parametrize("name", ["random", "grouped", "best_fit", "fixed", "multipack"])
 def test_step_count_constant_across_epochs(name):
     """Only shuffled next-fit changes its pack count with the order; the others keep len() fixed."""
     lengths = CASES["lognormal2"]

@@ -1,0 +1,167 @@
+"""Multipack: best-fit packs dealt to ranks so that every rank does the same compute in every optimizer step.
+
+Usage: ``MultipackSampler(lengths, max_tokens=8192, world_size=8)``; in YAML
+``sampler: {class_path: lit_packing.samplers.MultipackSampler, init_args: {max_tokens: 8192}}``.
+
+Best-fit packs all hold about ``max_tokens`` tokens, but not the same compute: a pack of two 4,096-token examples
+attends 2 * 4,096^2 pairs, one of twenty 400-token examples 20 * 400^2. Dealt round-robin, every optimizer step
+waits for its most expensive rank. Here the packs of one optimizer step (``world_size * accumulate`` of them) are
+chosen among packs of similar cost and spread over the ranks so that the slowest rank's sum is as low as possible;
+``straggler_factor`` measures what is left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from lightning.pytorch.utilities import rank_zero_info
+
+from lit_packing.callbacks.throughput import SMOLLM2_135M_SHAPE, flop_coefficients
+from lit_packing.samplers import kernels
+from lit_packing.samplers.base import PackPlan, PlannedBatchSampler, check_max_tokens
+from lit_packing.samplers.best_fit import best_fit_packs
+
+Balance = Literal["compute", "tokens"]
+
+
+def pack_costs(plan: PackPlan, cost_coefficients: tuple[float, float]) -> np.ndarray:
+    """(n_packs,) float64 cost of every pack: ``a * sum(L) + b * sum(L^2)`` over its examples, ``(a, b)`` given."""
+    per_token, per_pair = cost_coefficients
+    return per_token * plan.tokens_per_pack().astype(np.float64) + per_pair * plan.sq_tokens_per_pack()
+
+
+def straggler_factor(
+    sampler_or_schedule: PlannedBatchSampler | np.ndarray, costs: np.ndarray, accumulate: int = 1
+) -> float:
+    """Sum over optimizer steps of the slowest rank's cost, over the sum over steps of the mean rank's cost.
+
+    1.0 means no rank ever waits; 1.25 means a quarter of the mean work is spent waiting for the slowest rank. An
+    optimizer step is ``accumulate`` consecutive micro-steps (the last may be shorter); an empty pack costs 0.
+
+    Args:
+        sampler_or_schedule: a sampler (its ``schedule()`` of the current epoch and its ``accumulate`` are used) or
+            a (micro_steps, world_size) array of pack ids, -1 for an empty pack.
+        costs: (n_packs,) cost of every pack id of the plan, e.g. ``pack_costs(sampler.plan(), (a, b))``.
+        accumulate: micro-steps per optimizer step, for a schedule array.
+
+    Example: schedule ``[[0, 1], [2, -1]]`` with costs ``[3, 1, 2]`` and ``accumulate=1`` -> steps cost ``[3, 1]``
+    and ``[2, 0]``: (3 + 2) / (2 + 1) = 1.67.
+    """
+    if isinstance(sampler_or_schedule, PlannedBatchSampler):
+        schedule, accumulate = sampler_or_schedule.schedule(), sampler_or_schedule.accumulate
+    else:
+        schedule = np.asarray(sampler_or_schedule)
+    if not len(schedule):
+        return 1.0
+    costs = np.asarray(costs, dtype=np.float64)
+    work = np.where(schedule >= 0, costs[np.maximum(schedule, 0)], 0.0)  # (micro_steps, ranks)
+    per_step = np.add.reduceat(work, np.arange(0, len(work), accumulate), axis=0)  # (optimizer steps, ranks)
+    mean = per_step.mean(axis=1).sum()
+    return float(per_step.max(axis=1).sum() / mean) if mean > 0 else 1.0
+
+
+@dataclass(frozen=True, eq=False)
+class _SeededPlan(PackPlan):
+    """A plan that carries the seed its dealing draws from, taken from the plan's own ``(seed, epoch)`` stream."""
+
+    deal_seed: int = 0
+
+
+class MultipackSampler(PlannedBatchSampler):
+    """Best-fit packs of at most ``max_tokens`` tokens, dealt so that ranks finish each optimizer step together.
+
+    Packs are planned exactly as ``BestFitPackingSampler`` does (same fill, same pack count). Dealing: packs are
+    sorted by cost (``a * tokens + b * sum(L^2)``), consecutive runs of ``world_size * accumulate`` packs form the
+    optimizer steps, and within a step each pack goes, most expensive first, to the least loaded rank that still
+    has a free micro-step. The steps are then shuffled (with ``shuffle``; without, they run most expensive first,
+    which also surfaces an out-of-memory step at once). The last step, with fewer packs, stays last: ranks without
+    a pack there get an empty pack, as with round-robin. Every rank takes the same number of micro-steps,
+    ``ceil(packs / world_size)`` (``floor`` with ``drop_last``, which drops ``packs % world_size`` packs at random).
+
+    What it trades: an optimizer step holds packs of similar cost, so steps of long examples and steps of short
+    ones alternate (in a shuffled order) instead of every step mixing them; the examples inside a pack are those
+    best fit chose. ``accumulate`` (set by the data module from ``trainer.accumulate_grad_batches``) gives every
+    rank several packs per step to balance, which evens out the steps further.
+
+    Args:
+        lengths: (n,) tokens per example, each <= ``max_tokens`` (else ValueError naming the example).
+        max_tokens: token budget of one pack (one micro-step on one rank).
+        balance: ``compute``: even out ``a * L + b * L^2`` (matmuls + attention); ``tokens``: even out tokens only.
+        cost_coefficients: ``(a, b)`` FLOPs per token and per attended (query, key) pair, as
+            ``lit_packing.callbacks.throughput.flop_coefficients`` computes them (the data module passes the
+            attached model's ``PackedCausalLM.cost_coefficients``). None with ``balance="compute"``: SmolLM2-135M's
+            (``a = 8.07e8``, ``b = 2.07e5``), logged. Ignored with ``balance="tokens"``.
+        seed, shuffle, drop_last, rank, world_size: see ``PlannedBatchSampler``.
+    """
+
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        max_tokens: int = 4096,
+        *,
+        balance: Balance = "compute",
+        cost_coefficients: tuple[float, float] | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        super().__init__(lengths, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size)
+        check_max_tokens(self.lengths, max_tokens)
+        self.max_tokens = max_tokens
+        self.balance = balance
+        self.cost_coefficients = self._coefficients(balance, cost_coefficients)
+
+    @staticmethod
+    def _coefficients(balance: str, given: tuple[float, float] | None) -> tuple[float, float]:
+        if balance == "tokens":
+            return 1.0, 0.0
+        if balance != "compute":
+            raise ValueError(f"balance={balance!r}: use compute or tokens (data.sampler.init_args.balance)")
+        if given is None:
+            per_token, per_pair = flop_coefficients(SMOLLM2_135M_SHAPE)
+            rank_zero_info(
+                f"MultipackSampler: no cost_coefficients given, balancing with SmolLM2-135M's FLOPs per token "
+                f"{per_token:.3g} and per attended pair {per_pair:.3g} (data.sampler.init_args.cost_coefficients)"
+            )
+            return per_token, per_pair
+        values = np.asarray(given, dtype=np.float64)
+        if values.shape != (2,) or not np.isfinite(values).all() or (values < 0).any() or not values.any():
+            raise ValueError(
+                f"cost_coefficients={given!r}: need two finite numbers >= 0, not both 0, (FLOPs per token, per "
+                f"attended pair): fix data.sampler.init_args.cost_coefficients or leave it null"
+            )
+        return float(values[0]), float(values[1])
+
+    def _build_plan(self, epoch: int, rng: np.random.Generator) -> PackPlan:
+        items, offsets = best_fit_packs(self.lengths, self.max_tokens, rng if self.shuffle else None)
+        return _SeededPlan(items, offsets, self.lengths[items], self.max_tokens, int(rng.integers(2**63)))
+
+    def _deal(self, plan: PackPlan, pack_ids: np.ndarray, world_size: int) -> np.ndarray:
+        """Packs sorted by cost, cut into optimizer steps, each balanced over the ranks (``kernels.balance_steps``),
+        then the whole steps shuffled; seeded by the plan, so every rank deals the same. See the class docstring."""
+        if self.accumulate < 1:
+            raise ValueError(f"accumulate={self.accumulate}: trainer.accumulate_grad_batches must be >= 1")
+        rng = np.random.default_rng([plan.deal_seed, len(pack_ids), world_size])
+        costs = pack_costs(plan, self.cost_coefficients)[pack_ids]
+        if self.drop_last and len(pack_ids) % world_size:
+            keep = np.sort(rng.permutation(len(pack_ids))[: len(pack_ids) - len(pack_ids) % world_size])
+            pack_ids, costs = pack_ids[keep], costs[keep]
+        order = rng.permutation(len(pack_ids)) if self.shuffle else np.arange(len(pack_ids))  # ties: random
+        order = order[np.argsort(-costs[order], kind="stable")]
+        slots = kernels.balance_steps(costs[order], world_size, self.accumulate)  # (micro_steps, ranks) positions
+        schedule = np.where(slots >= 0, pack_ids[order[np.maximum(slots, 0)]], -1)
+        full = len(pack_ids) // (world_size * self.accumulate)
+        if self.shuffle and full > 1:  # shuffle whole optimizer steps; a short last step stays last
+            steps = rng.permutation(full)[:, None] * self.accumulate + np.arange(self.accumulate)
+            schedule[: full * self.accumulate] = schedule[steps.ravel()]
+        return schedule
+
+    def __repr__(self) -> str:
+        return (
+            f"{super().__repr__()[:-1]}, max_tokens={self.max_tokens}, balance={self.balance}, "
+            f"cost_coefficients={self.cost_coefficients})"
+        )
