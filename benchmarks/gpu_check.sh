@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU checks of lit_packing's varlen attention (one H200: about 3-5 minutes, under 8), from the repository root:
+# GPU checks of lit_packing (one H200: about 3-5 minutes for parts 1-2 below, a few more for part 3), from the
+# repository root:
 #
 #   bash benchmarks/gpu_check.sh            # the cuda-marked tests, then padding vs packing throughput
 #   bash benchmarks/gpu_check.sh --smoke    # the same wiring on CPU with a tiny model (seconds)
@@ -8,6 +9,8 @@
 #    reference, with the tolerance set by the error of a plain bf16 PyTorch run (kernel fwd+bwd, and model logits).
 # 2. fwd+bwd of the SmolLM2-135M architecture (random weights, bf16 autocast) on CHAMP-like lengths: padding (sdpa
 #    with the mask) vs packing with each backend; prints real tokens/s, speed-up, peak memory, loss.
+# 3. peak memory of a step with a 152k vocabulary at 8k and 32k tokens: full logits vs the chunked loss vs Liger, each
+#    beside the memory estimate's prediction (benchmarks/loss_memory.py).
 #
 # Python: $PYTHON, else .venv/bin/python, else python3. lit_packing runs from the checkout (PYTHONPATH), nothing is
 # installed; it needs torch, transformers, lightning, torchmetrics and peft (the parts used here, lit_packing.models
@@ -50,5 +53,10 @@ timeout 180 "$PYTHON" benchmarks/attention_throughput.py --device cuda --example
 echo "== throughput: 32 examples per mini-batch, padding vs torch_varlen"
 timeout 120 "$PYTHON" benchmarks/attention_throughput.py --device cuda --examples 32 --steps 8 \
   --modes padding torch_varlen flash_attn || status=1
+
+echo "== loss memory: 152k vocabulary (Qwen2.5), 8k and 32k tokens, bf16-mixed: full logits vs chunked vs Liger"
+# liger-kernel is optional (`lit_packing[liger]`): without it the liger rows print a clear error, the others still run.
+timeout 240 "$PYTHON" benchmarks/loss_memory.py --device cuda --precision bf16-mixed --tokens 8192 32768 \
+  --impls full chunked liger || status=1
 
 exit $status

@@ -218,6 +218,9 @@ class TokenThroughputMonitor(pl.Callback):
             ("train time" + (" (rank 0)" if ranks > 1 else ""), f"{seconds:,.1f} s"),
             ("peak memory" + (" (rank 0)" if ranks > 1 else ""), f"{peak_memory_gb(pl_module.device):.2f} GiB"),
         ]
+        estimate = getattr(pl_module, "memory_estimate", None)  # PackedCausalLM's prediction, made before step 1
+        if estimate is not None:
+            rows.append(("predicted peak memory", f"{estimate.peak / 2**30:.2f} GiB"))
         metrics = trainer.callback_metrics
         for key in ("train/loss", "val/loss", "val/perplexity"):
             if key in metrics:

@@ -5,10 +5,12 @@
 
 What it adds to a plain `AutoModelForCausalLM`:
 - a varlen attention backend reading `cu_seq_lens_*` (see `attention.py`); padded batches run sdpa with their mask;
-- the loss computed here from the logits, as one global mean over every gradient-accumulation micro-batch and
-  every data-parallel rank (`loss_normalization`), so packing never changes the gradient: each micro-batch's loss
-  sum is divided by its optimizer step's global label count, which every batch carries (`batch["step"]`, from the
-  sampler's global plan), so no gradient is ever rescaled and no rank communicates for it;
+- the loss computed here from the last hidden states chunk by chunk (the (T, V) logits are never built), as one
+  global mean over every gradient-accumulation micro-batch and every data-parallel rank (`loss_normalization`), so
+  packing never changes the gradient: each micro-batch's loss sum is divided by its optimizer step's global label
+  count, which every batch carries (`batch["step"]`, from the sampler's global plan), so no gradient is ever
+  rescaled and no rank communicates for it;
+- a memory estimate of the largest step before the first one (see `memory.py`);
 - a host-side check of every batch and an isolation self-test before the first step (see `isolation.py`);
 - numerics guards: a non-finite loss or gradient stops the run naming the step (`nonfinite=error`) or skips the
   step and counts it (`skip`, logged as `train/nonfinite_steps`); `export` refuses non-finite weights; token ids
@@ -47,7 +49,8 @@ from lit_packing.errors import ConfigError, DataError, TrainingError, check_rang
 from lit_packing.models.attention import AttnBackend, attn_implementation, available_backends, resolve_backend
 from lit_packing.models.isolation import check_isolation, check_packed_batch
 from lit_packing.models.loading import DType, apply_lora, load_causal_lm, no_decay_parameter_ids
-from lit_packing.models.loss import LossNormalization, causal_lm_loss, token_losses
+from lit_packing.models.loss import HeadInputs, LossImpl, LossNormalization, causal_lm_loss, eval_sums
+from lit_packing.models.memory import check_fit_memory
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,12 @@ class PackedCausalLM(LightningModule):
         loss_normalization: `token`: one mean over all label tokens of the optimizer step (all micro-batches,
             all ranks); `sequence`: the mean over examples of each example's token mean (LongAlign).
         isolation_check: run the packed-vs-per-example self-test on the first packed training batch.
+        loss_impl: `chunked` (default): LM head + cross-entropy on `loss_chunk_size` label tokens at a time, never
+            the (T, V) logits, exact; `full`: the model's full logits (the plain transformers way); `liger`:
+            Liger-Kernel's fused linear cross-entropy (CUDA, `pip install lit_packing[liger]`, token loss only).
+        loss_chunk_size: label tokens per chunk of `chunked` (memory: ~16 bytes x chunk x vocabulary).
+        memory_check: before the first step, predict the largest step's peak memory (logged as
+            `train/predicted_peak_memory_gb`) and stop when it exceeds the device's (see `memory.py`).
         lr: peak learning rate (AdamW).
         weight_decay: AdamW weight decay, not applied to biases, norms and embeddings.
         betas: AdamW betas.
@@ -79,7 +88,8 @@ class PackedCausalLM(LightningModule):
         scheduler: decay after warmup down to `min_lr_ratio * lr` at the last step, or constant.
         min_lr_ratio: final learning rate as a fraction of `lr`.
         gradient_checkpointing: recompute activations in the backward pass (less memory, ~30% more compute).
-        compile: `torch.compile` the transformers model.
+        compile: `torch.compile` the transformers decoder (automatic dynamic shapes: a new T recompiles once, then
+            T is symbolic); `train/recompiles` counts the graphs compiled after the first step.
         lora: `peft.LoraConfig` kwargs (e.g. `{r: 16, lora_alpha: 32, target_modules: all-linear}`): train adapters.
         resize_embeddings: let a tokenizer larger than a pretrained model's vocabulary grow the embeddings.
         export_dir: at the end of `fit`, `save_pretrained` the model (adapters with LoRA) and tokenizer here.
@@ -96,6 +106,9 @@ class PackedCausalLM(LightningModule):
         attn_backend: AttnBackend = "auto",
         loss_normalization: LossNormalization = "token",
         isolation_check: bool = True,
+        loss_impl: LossImpl = "chunked",
+        loss_chunk_size: int = 1024,
+        memory_check: bool = True,
         lr: float = 2e-5,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -113,6 +126,7 @@ class PackedCausalLM(LightningModule):
         super().__init__()
         self.save_hyperparameters()
         _check_settings(self.hparams)
+        check_loss_settings(loss_impl, loss_chunk_size, loss_normalization)
         # Until the trainer says which device we run on, guess; `setup` resolves again for the real device.
         guess = "cuda" if torch.cuda.is_available() else "cpu"
         _backend_here(attn_backend, guess)  # a backend no device here can run fails before the model loads
@@ -125,11 +139,15 @@ class PackedCausalLM(LightningModule):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora:
             self.model = apply_lora(self.model, lora)
+        if loss_impl != "full":
+            check_head_inputs(self)
         self.eval_metrics = torch.nn.ModuleDict({stage: _eval_metrics() for stage in ("val", "test")})
         self._step_totals: torch.Tensor | None = None  # [token loss sum, label tokens] of this step on this rank
         self._isolation_pending = isolation_check
         self.nonfinite_steps = 0  # optimizer steps skipped under nonfinite=skip
         self._step_rows: list[int] = []  # source rows of the examples in the optimizer step under way (host-side)
+        self._graphs_after_first_step: int | None = None  # torch.compile graphs compiled by the end of step 1
+        self.memory_estimate = None  # set at train start (`memory_check`)
 
     # ------------------------------------------------------------------------------------------------------------
     # Setup
@@ -158,8 +176,11 @@ class PackedCausalLM(LightningModule):
         self.hf_model.set_attn_implementation(attn_implementation(self.attn_backend))
         how = " (auto)" if self.hparams.attn_backend == "auto" else ""
         rank_zero_info(f"attention backend: {self.attn_backend}{how} on {device}")
+        if self.hparams.loss_impl == "liger":
+            check_liger(device, self.hf_model.get_output_embeddings())
         if self.hparams.compile and not getattr(self, "_compiled", False):
-            self.model.compile(dynamic=True)
+            # The decoder, which both the loss (hidden states) and `forward` (logits) run through.
+            self.hf_model.base_model.compile(dynamic=None)
             self._compiled = True
 
     def _check_token_ids(self) -> None:
@@ -173,6 +194,17 @@ class PackedCausalLM(LightningModule):
                 f"data.tokenizer does not match model.model (use the model's own tokenizer, or "
                 f"model.resize_embeddings=true), or the tokenized cache was altered (delete it under data.cache_dir)"
             )
+
+    def on_train_start(self) -> None:
+        if self.hparams.memory_check:
+            self.memory_estimate = check_fit_memory(self)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.hparams.compile:  # graphs compiled after the first step: shape changes that cost a recompile
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            if self._graphs_after_first_step is None:
+                self._graphs_after_first_step = graphs
+            self.log("train/recompiles", float(graphs - self._graphs_after_first_step), on_step=True, on_epoch=False)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if isinstance(batch, Mapping):
@@ -201,8 +233,25 @@ class PackedCausalLM(LightningModule):
         inputs = {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
         return self.model(**inputs, use_cache=False).logits
 
+    def head_inputs(self, batch: Mapping[str, Any]) -> HeadInputs:
+        """The final hidden states of a batch with the LM head, for a loss that never builds the (T, V) logits."""
+        inputs = {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
+        hidden = self.hf_model.base_model(**inputs, use_cache=False).last_hidden_state  # (B, T, H)
+        config = self.hf_model.config.get_text_config()
+        return HeadInputs(
+            hidden,
+            self.hf_model.get_output_embeddings(),
+            softcap=getattr(config, "final_logit_softcapping", None),
+            chunk_size=self.hparams.loss_chunk_size,
+            impl="liger" if self.hparams.loss_impl == "liger" else "chunked",
+        )
+
+    def loss_outputs(self, batch: Mapping[str, Any]) -> torch.Tensor | HeadInputs:
+        """What the loss reads: full logits (`loss_impl=full`) or `HeadInputs`."""
+        return self(batch) if self.hparams.loss_impl == "full" else self.head_inputs(batch)
+
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
-        parts = causal_lm_loss(self(batch), batch, self.hparams.loss_normalization)
+        parts = causal_lm_loss(self.loss_outputs(batch), batch, self.hparams.loss_normalization)
         normalizer = self._step_normalizer(batch, parts)
         local = torch.stack([parts.token_loss_sum.detach(), parts.label_tokens.detach()])
         local = local.to(_accumulator_dtype(local.device))
@@ -282,12 +331,11 @@ class PackedCausalLM(LightningModule):
         self._eval_step(batch, "test")
 
     def _eval_step(self, batch: Mapping[str, Any], stage: str) -> None:
-        logits = self(batch)
-        losses, mask, targets = token_losses(logits, batch[LABELS])
+        loss_sum, tokens, correct = eval_sums(self.loss_outputs(batch), batch[LABELS])
         metrics = self.eval_metrics[stage]
-        metrics["loss_sum"].update(losses.sum())
-        metrics["tokens"].update(mask.sum())
-        metrics["correct"].update(((logits[:, :-1].argmax(-1) == targets) & mask).sum())
+        metrics["loss_sum"].update(loss_sum)
+        metrics["tokens"].update(tokens)
+        metrics["correct"].update(correct)
 
     def on_validation_epoch_end(self) -> None:
         self._log_eval("val")
@@ -359,6 +407,54 @@ class PackedCausalLM(LightningModule):
             tokenizer.save_pretrained(path)
         _apply_umask(path)
         rank_zero_info(f"exported the model{' and tokenizer' if tokenizer is not None else ''} to {path}")
+
+
+def check_loss_settings(loss_impl: str, chunk_size: int, normalization: str) -> None:
+    """Raise a `ConfigError` naming the setting when the loss options cannot work together."""
+    if loss_impl not in ("chunked", "full", "liger"):
+        raise ConfigError("model.loss_impl", f"{loss_impl!r} is not a choice", "use chunked, full or liger")
+    check_range("model.loss_chunk_size", chunk_size, 1)
+    if loss_impl == "liger" and normalization != "token":
+        raise ConfigError(
+            "model.loss_impl", "liger sums token losses only", "use model.loss_normalization=token or chunked"
+        )
+
+
+@torch.no_grad()
+def check_head_inputs(lm: PackedCausalLM) -> None:
+    """The hidden-states path must give the model's own logits: a model that transforms its logits in a way
+    `HeadInputs` does not know (only soft-capping is applied) is refused here, at construction, on 8 tokens."""
+    hf = lm.hf_model
+    ids = torch.arange(3, 11, device=hf.device)[None] % hf.config.get_text_config().vocab_size
+    was_training = hf.training
+    hf.eval()
+    try:
+        batch = {INPUT_IDS: ids}
+        expected = lm(batch)[0]
+        inputs = lm.head_inputs(batch)
+        got = inputs.logits(inputs.hidden[0])
+    finally:
+        hf.train(was_training)
+    scale = max(1.0, expected.abs().max().item())
+    if not torch.allclose(got, expected, rtol=0, atol=1e-4 * scale):
+        raise ConfigError(
+            "model.loss_impl",
+            f"{type(hf).__name__}'s LM head applied to its final hidden states does not reproduce its logits (the "
+            "model rescales them in its forward)",
+            "set model.loss_impl=full",
+        )
+
+
+def check_liger(device: torch.device, head: torch.nn.Module) -> None:
+    """`loss_impl=liger` needs CUDA, the liger-kernel package and a plain linear LM head."""
+    if device.type != "cuda":
+        raise ConfigError("model.loss_impl", f"liger runs Triton kernels on CUDA, not on {device}", "use chunked")
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError as err:
+        raise ConfigError("model.loss_impl", "liger needs liger-kernel", "pip install lit_packing[liger]") from err
+    if type(head) is not torch.nn.Linear:
+        raise ConfigError("model.loss_impl", f"liger needs a plain nn.Linear LM head, not {type(head).__name__}")
 
 
 def _check_settings(hp: Mapping[str, Any]) -> None:

@@ -1,6 +1,7 @@
-"""Causal-LM loss from logits, as sums: the caller divides by a count gathered over the whole optimizer step.
+"""Causal-LM loss as sums (the caller divides by a count gathered over the whole optimizer step), from logits or
+straight from the last hidden states, chunk by chunk, so the (T, V) logits never exist.
 
-    parts = causal_lm_loss(logits, batch["labels"], segments=batch_segments(batch), normalization="token")
+    parts = causal_lm_loss(HeadInputs(hidden, lm_head), batch, normalization="token")   # or causal_lm_loss(logits, ...)
 
 Why sums: a mean per micro-batch, averaged again over micro-batches and ranks, weights a token by how many other
 tokens share its micro-batch (transformers#34242). Summing here and dividing once by the step's global count gives
@@ -10,19 +11,28 @@ Shift: logits[:, t] predicts labels[:, t + 1]. In a packed row each example's fi
 token of one example never predicts the first token of the next:
 
     labels   [-100 a1 a2 | -100 b1]  ->  targets of positions 0..3: [a1 a2 -100 b1]
+
+Memory: full logits cost T x V x (model dtype + 3 fp32 copies: upcast, log-softmax, gradient), 2.4 GB at 4,096
+tokens and a 49k vocabulary, ~80 GB at 32k tokens and Qwen2.5's 152k. `HeadInputs` gathers the hidden states of
+the label positions only and runs LM head + cross-entropy on `chunk_size` of them at a time under activation
+checkpointing: one chunk's (chunk_size, V) logits exist at a time, in the forward and again in the backward.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100
+from lit_packing.data.collate import CU_SEQ_LENS_Q, IGNORE_INDEX, LABELS, SEQ_IDX
+
 LossNormalization = Literal["token", "sequence"]
+LossImpl = Literal["chunked", "full", "liger"]
 
 
 @dataclass
@@ -42,6 +52,36 @@ class LossParts:
     label_tokens: torch.Tensor
 
 
+@dataclass
+class HeadInputs:
+    """What the loss needs instead of logits: the last hidden states and the LM head that maps them to logits.
+
+    Attributes:
+        hidden: (B, T, H) final hidden states (after the final norm).
+        head: the output embedding module, (N, H) -> (N, V); tied or not, LoRA-wrapped or not.
+        softcap: the model's final logit soft-capping (gemma2: `cap * tanh(logits / cap)`), or None.
+        chunk_size: label tokens per LM-head + cross-entropy chunk.
+        impl: `chunked` (exact, any device) or `liger` (Liger-Kernel's fused linear cross-entropy, CUDA, token sums).
+    """
+
+    hidden: torch.Tensor
+    head: torch.nn.Module
+    softcap: float | None = None
+    chunk_size: int = 1024
+    impl: Literal["chunked", "liger"] = "chunked"
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of (N, H) hidden states, in the head's compute dtype, exactly as the model's forward makes them."""
+        logits = self.head(hidden)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # fp32, or fp64 for fp64 logits
+
+
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token cross-entropy in fp32 (fp64 for fp64 logits), with the shift.
 
@@ -53,20 +93,52 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
         losses (B, T - 1) fp32 (0 where ignored), mask (B, T - 1) bool, targets (B, T - 1).
     """
     targets = labels[:, 1:]
-    shifted = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))
+    shifted = logits[:, :-1].to(_loss_dtype(logits.dtype))
     losses = F.cross_entropy(
         shifted.reshape(-1, shifted.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
     ).view_as(targets)
     return losses, targets != IGNORE_INDEX, targets
 
 
+def _chunk_losses(inputs: HeadInputs, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = inputs.logits(hidden)  # (chunk, V): the only logits alive
+    return F.cross_entropy(logits.to(_loss_dtype(logits.dtype)), targets, reduction="none")
+
+
+def _label_rows(inputs: HeadInputs, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Hidden states (N, H) of the positions that predict a label, their targets (N,), and the (B, T - 1) mask.
+
+    Boolean indexing waits for the mask on the host once per micro-batch (N decides the shapes).
+    """
+    targets = labels[:, 1:]
+    mask = targets != IGNORE_INDEX
+    return inputs.hidden[:, :-1][mask], targets[mask], mask
+
+
+def _chunks(n: int, size: int) -> range:
+    return range(0, max(n, 1), max(1, size))  # at least one (maybe empty) chunk keeps the graph connected
+
+
+def head_token_losses(inputs: HeadInputs, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`token_losses` from hidden states: the same (B, T - 1) losses, mask and targets, computed on the label
+    positions only, `inputs.chunk_size` at a time; each chunk is recomputed in the backward instead of kept."""
+    hidden, targets, mask = _label_rows(inputs, labels)
+    compute = functools.partial(_chunk_losses, inputs)
+    if torch.is_grad_enabled() and hidden.requires_grad:
+        compute = functools.partial(checkpoint, compute, use_reentrant=False)
+    size = inputs.chunk_size
+    flat = torch.cat([compute(hidden[i : i + size], targets[i : i + size]) for i in _chunks(len(targets), size)])
+    losses = flat.new_zeros(mask.shape).masked_scatter(mask, flat)  # (B, T - 1): label losses in place, 0 elsewhere
+    return losses, mask, labels[:, 1:]
+
+
 def batch_segments(batch: Mapping[str, Any]) -> torch.Tensor:
     """Example index of every token, (B, T) int64: `seq_idx` when packed, the row index when padded."""
-    labels = batch["labels"]
-    if "seq_idx" in batch:
-        return batch["seq_idx"].long()
-    if "cu_seq_lens_q" in batch:
-        cu = batch["cu_seq_lens_q"].long()
+    labels = batch[LABELS]
+    if SEQ_IDX in batch:
+        return batch[SEQ_IDX].long()
+    if CU_SEQ_LENS_Q in batch:
+        cu = batch[CU_SEQ_LENS_Q].long()
         n, total = len(cu) - 1, labels.shape[1]
         ids = torch.arange(n, device=labels.device)
         return torch.repeat_interleave(ids, cu[1:] - cu[:-1], output_size=total)[None]
@@ -91,18 +163,32 @@ def num_segments(batch: Mapping[str, Any]) -> int:
     `seq_idx` numbers examples, which need not match the attention rows of `cu_seq_lens_q` (the contaminated
     fixed-length collator has rows spanning several examples), so it is bounded by T; unused ids count 0 tokens.
     """
-    if "seq_idx" in batch:
-        return batch["seq_idx"].shape[1]
-    if "cu_seq_lens_q" in batch:
-        return batch["cu_seq_lens_q"].shape[0] - 1
-    return batch["labels"].shape[0]
+    if SEQ_IDX in batch:
+        return batch[SEQ_IDX].shape[1]
+    if CU_SEQ_LENS_Q in batch:
+        return batch[CU_SEQ_LENS_Q].shape[0] - 1
+    return batch[LABELS].shape[0]
 
 
 def causal_lm_loss(
-    logits: torch.Tensor, batch: Mapping[str, Any], normalization: LossNormalization = "token"
+    outputs: torch.Tensor | HeadInputs, batch: Mapping[str, Any], normalization: LossNormalization = "token"
 ) -> LossParts:
-    """The loss sums of one micro-batch (packed or padded); see `LossParts`."""
-    losses, mask, _ = token_losses(logits, batch["labels"])
+    """The loss sums of one micro-batch (packed or padded); see `LossParts`.
+
+    Args:
+        outputs: the (B, T, V) logits, or `HeadInputs` (hidden states + LM head: the logits are never built).
+        batch: the batch (labels, and the example boundaries for `sequence`).
+        normalization: `token` or `sequence` (see `LossParts`).
+    """
+    if isinstance(outputs, HeadInputs) and outputs.impl == "liger":
+        if normalization != "token":
+            raise ValueError("model.loss_impl=liger sums token losses only: use loss_normalization=token or chunked")
+        token_loss_sum, label_tokens = liger_token_loss_sum(outputs, batch[LABELS])
+        return LossParts(token_loss_sum, label_tokens, token_loss_sum, label_tokens)
+    if isinstance(outputs, HeadInputs):
+        losses, mask, _ = head_token_losses(outputs, batch[LABELS])
+    else:
+        losses, mask, _ = token_losses(outputs, batch[LABELS])
     token_loss_sum = losses.sum()
     label_tokens = mask.sum().to(losses.dtype)
     if normalization == "token":
@@ -113,3 +199,39 @@ def causal_lm_loss(
     has_labels = counts > 0
     objective = (sums / counts.clamp_min(1)).sum()  # examples without labels add 0
     return LossParts(objective, has_labels.sum().to(losses.dtype), token_loss_sum, label_tokens)
+
+
+def liger_token_loss_sum(inputs: HeadInputs, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of token losses and label count through Liger-Kernel's fused linear cross-entropy (CUDA only)."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    hidden, targets, mask = _label_rows(inputs, labels)
+    head = inputs.head
+    weight, bias = head.weight, head.bias
+    if torch.is_autocast_enabled(hidden.device.type):  # the kernel sees raw tensors: cast as autocast would
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    out = liger_fused_linear_cross_entropy(
+        hidden, weight, targets, bias, ignore_index=IGNORE_INDEX, reduction="sum", softcap=inputs.softcap
+    )
+    loss = out[0] if isinstance(out, tuple) else out  # some versions also return the z-loss
+    return loss.float(), mask.sum().float()
+
+
+def eval_sums(outputs: torch.Tensor | HeadInputs, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Validation sums of one batch: token loss sum, label tokens, correct argmax predictions (0-dim tensors).
+
+    From `HeadInputs` (called under `no_grad`) the logits exist one chunk at a time, in the head's dtype.
+    """
+    if not isinstance(outputs, HeadInputs):
+        losses, mask, targets = token_losses(outputs, labels)
+        correct = (outputs[:, :-1].argmax(-1) == targets) & mask
+        return losses.sum(), mask.sum(), correct.sum()
+    hidden, targets, mask = _label_rows(outputs, labels)
+    losses, correct, size = [], targets.new_zeros(()), outputs.chunk_size
+    for i in _chunks(len(targets), size):
+        logits = outputs.logits(hidden[i : i + size])
+        losses.append(F.cross_entropy(logits.to(_loss_dtype(logits.dtype)), targets[i : i + size], reduction="none"))
+        correct += (logits.argmax(-1) == targets[i : i + size]).sum()
+    return torch.cat(losses).sum(), mask.sum(), correct
