@@ -87,3 +87,22 @@ def tiny_config(request) -> dict:
 @pytest.fixture
 def tiny_llama_config() -> dict:
     return dict(TINY_CONFIGS["llama"])
+
+
+@pytest.fixture
+def encoder_calls(monkeypatch):
+    """Counts the batches the tokenizer really encodes (zero when the tokenization cache is used): `.calls`."""
+    from lit_packing.data import tokenize
+
+    class Calls:
+        calls = 0
+
+    counter = Calls()
+    original = tokenize._Encoder.__call__
+
+    def counted(encoder, batch, indices):
+        counter.calls += 1
+        return original(encoder, batch, indices)
+
+    monkeypatch.setattr(tokenize._Encoder, "__call__", counted)
+    return counter

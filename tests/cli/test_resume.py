@@ -22,11 +22,6 @@ from lit_packing.data.collate import INDEX
 from lit_packing.data.tokenize import column
 
 ROOT = Path(__file__).parents[2]
-TINY = {
-    "model_type": "llama", "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 2048, "tie_word_embeddings": True,
-}  # fmt: skip
 
 # A callback the runs load from tmp_path: it writes every micro-batch's source rows (and may slow the run down, so
 # that the test can kill it at a known point).
@@ -47,7 +42,9 @@ class Recorder(Callback):
 """
 
 
-def fit_args(tmp_path: Path, name: str, config: str = "configs/quickstart.yaml", delay: float = 0.0) -> list[str]:
+def fit_args(
+    tmp_path: Path, model_config: dict, name: str, config: str = "configs/quickstart.yaml", delay: float = 0.0
+) -> list[str]:
     callbacks = [
         {"class_path": "recorder.Recorder", "init_args": {"path": str(tmp_path / f"{name}.jsonl"), "delay": delay}},
         {
@@ -58,7 +55,7 @@ def fit_args(tmp_path: Path, name: str, config: str = "configs/quickstart.yaml",
     ]  # fmt: skip
     return [
         sys.executable, str(ROOT / "main.py"), "fit", "--config", str(ROOT / config),
-        f"--model.model_config={json.dumps(TINY)}",
+        f"--model.model_config={json.dumps(model_config)}",
         "--model.lr=1e-3",
         "--data.source=lit_packing.data.Chatterbot",
         "--data.limit=120",
@@ -92,11 +89,11 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_kill_9_mid_epoch_with_workers_then_resume_is_exact(tmp_path):
+def test_kill_9_mid_epoch_with_workers_then_resume_is_exact(tmp_path, tiny_llama_config):
     (tmp_path / "recorder.py").write_text(RECORDER)
     run = dict(cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=600)
     max_steps = ["--trainer.max_steps=14"]
-    alone = subprocess.run(fit_args(tmp_path, "alone") + max_steps, **run)
+    alone = subprocess.run(fit_args(tmp_path, tiny_llama_config, "alone") + max_steps, **run)
     assert alone.returncode == 0, alone.stderr[-3000:]
     uninterrupted = records(tmp_path / "alone.jsonl.rank0")
     epochs = {r["epoch"] for r in uninterrupted}
@@ -104,7 +101,7 @@ def test_kill_9_mid_epoch_with_workers_then_resume_is_exact(tmp_path):
     steps_per_epoch = max(r["step"] for r in uninterrupted if r["epoch"] == 0) + 1
     kill_at = steps_per_epoch + 2 + (steps_per_epoch % 2)  # an even step (a checkpoint) inside the second epoch
 
-    victim = subprocess.Popen(fit_args(tmp_path, "killed", delay=0.4) + max_steps, cwd=tmp_path, env=env(tmp_path),
+    victim = subprocess.Popen(fit_args(tmp_path, tiny_llama_config, "killed", delay=0.4) + max_steps, cwd=tmp_path, env=env(tmp_path),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     checkpoint = tmp_path / "killed" / f"step={kill_at}.ckpt"
     deadline = time.monotonic() + 400
@@ -117,7 +114,7 @@ def test_kill_9_mid_epoch_with_workers_then_resume_is_exact(tmp_path):
     killed = records(tmp_path / "killed.jsonl.rank0")
     assert any(r["step"] >= kill_at for r in killed)  # batches past the checkpoint were lost and must be redone
 
-    resumed = subprocess.run(fit_args(tmp_path, "resumed") + max_steps + [f"--ckpt_path={checkpoint}"], **run)
+    resumed = subprocess.run(fit_args(tmp_path, tiny_llama_config, "resumed") + max_steps + [f"--ckpt_path={checkpoint}"], **run)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     trained_before = [r for r in killed if r["step"] < kill_at]
     assert [r["rows"] for r in trained_before + records(tmp_path / "resumed.jsonl.rank0")] == [
@@ -138,12 +135,12 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_node_launch_on_loopback_then_resume_on_one_process(tmp_path):
+def test_two_node_launch_on_loopback_then_resume_on_one_process(tmp_path, tiny_llama_config):
     """`torchrun --nnodes=2 --nproc-per-node=1` twice (node ranks 0 and 1) trains with DDP over gloo and stops at a
     checkpoint mid-epoch; one process resumes it: every example of the epoch is trained exactly once."""
     (tmp_path / "recorder.py").write_text(RECORDER)
     port = free_port()
-    common = fit_args(tmp_path, "nodes", config="configs/multinode.yaml")[1:]  # drop the interpreter
+    common = fit_args(tmp_path, tiny_llama_config, "nodes", config="configs/multinode.yaml")[1:]  # drop the interpreter
     common += ["--trainer.num_nodes=2", "--trainer.devices=1", "--trainer.max_epochs=1", "--trainer.max_steps=2"]
     nodes = [
         subprocess.Popen(
@@ -172,7 +169,7 @@ def test_two_node_launch_on_loopback_then_resume_on_one_process(tmp_path):
     per_rank = [records(tmp_path / f"nodes.jsonl.rank{r}") for r in (0, 1)]
     assert len(per_rank[0]) == len(per_rank[1]) == 4  # 2 optimizer steps x 2 micro-batches, on each node
 
-    single = fit_args(tmp_path, "single", config="configs/multinode.yaml")
+    single = fit_args(tmp_path, tiny_llama_config, "single", config="configs/multinode.yaml")
     single += ["--trainer.num_nodes=1", "--trainer.devices=1", "--trainer.max_epochs=1",
                f"--ckpt_path={tmp_path / 'nodes' / 'step=2.ckpt'}"]  # fmt: skip
     done = subprocess.run(single, cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=600)

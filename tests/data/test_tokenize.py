@@ -159,23 +159,10 @@ def test_report_as_dict_and_sum(smollm2_tokenizer):
     assert "truncated 2 (14 tokens cut)" in str(report)
 
 
-class CountingEncoder:
-    """Counts how many batches the encoder really tokenizes (zero on a cache hit)."""
-
-    def __init__(self, monkeypatch):
-        self.calls = 0
-        original = tok_module._Encoder.__call__
-
-        def counted(encoder, batch, indices):
-            self.calls += 1
-            return original(encoder, batch, indices)
-
-        monkeypatch.setattr(tok_module._Encoder, "__call__", counted)
-
-
-def test_cache_is_reused_and_keyed_by_settings(tmp_path, smollm2_tokenizer, monkeypatch):
+def test_cache_is_reused_and_keyed_by_settings(tmp_path, smollm2_tokenizer, monkeypatch, encoder_calls):
     raw = on_disk(tmp_path, [{"messages": CHAT}] * 3)
-    counter = CountingEncoder(monkeypatch)
+    counter = encoder_calls
+    counter.calls = 0  # count from here on
     first, _ = tokenize_dataset(raw, smollm2_tokenizer)
     assert counter.calls == 1 and str(tmp_path) in first.cache_files[0]["filename"]
     again, report = tokenize_dataset(datasets.load_from_disk(str(tmp_path / "raw")), smollm2_tokenizer)

@@ -12,7 +12,6 @@ from pathlib import Path
 import datasets
 import pytest
 
-from lit_packing.data import tokenize as tok_module
 from lit_packing.data.tokenize import STALE_TMP_SECONDS, tokenize_dataset
 
 CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there, how are you?"}]
@@ -23,20 +22,6 @@ def raw(tmp_path) -> datasets.Dataset:
     rows = [{"messages": [CHAT[0], {"role": "assistant", "content": f"Answer number {i}."}]} for i in range(200)]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "raw"))
     return datasets.load_from_disk(str(tmp_path / "raw"))
-
-
-class Counting:
-    """Counts the batches really tokenized (zero when the cache is used)."""
-
-    def __init__(self, monkeypatch):
-        self.calls = 0
-        original = tok_module._Encoder.__call__
-
-        def counted(encoder, batch, indices):
-            self.calls += 1
-            return original(encoder, batch, indices)
-
-        monkeypatch.setattr(tok_module._Encoder, "__call__", counted)
 
 
 def cache_file(tokenized: datasets.Dataset) -> Path:
@@ -56,7 +41,7 @@ def test_the_cache_has_a_size_and_checksum_record_written_atomically(raw, smollm
 
 
 @pytest.mark.parametrize("damage", ["overwrite", "zeros", "truncate"])
-def test_a_damaged_cache_is_rebuilt_and_said(damage, raw, smollm2_tokenizer, monkeypatch, caplog):
+def test_a_damaged_cache_is_rebuilt_and_said(damage, raw, smollm2_tokenizer, caplog, encoder_calls):
     original, _ = tokenize_dataset(raw, smollm2_tokenizer)
     path, expected = cache_file(original), original.to_dict()["input_ids"]  # read before the damage
     data = bytearray(path.read_bytes())
@@ -66,7 +51,8 @@ def test_a_damaged_cache_is_rebuilt_and_said(damage, raw, smollm2_tokenizer, mon
     else:  # same size: only the checksum can tell
         data[middle : middle + 64] = bytes(64) if damage == "zeros" else os.urandom(64)
     path.write_bytes(bytes(data))
-    counter = Counting(monkeypatch)
+    counter = encoder_calls
+    counter.calls = 0  # count from here on
     with caplog.at_level(logging.WARNING, logger="lit_packing.data.tokenize"):
         again, report = tokenize_dataset(datasets.load_from_disk(str(Path(raw.cache_files[0]["filename"]).parent)),
                                          smollm2_tokenizer)  # fmt: skip
@@ -86,9 +72,10 @@ def test_a_cache_without_a_record_is_not_trusted(raw, smollm2_tokenizer, caplog)
     assert again.to_dict()["input_ids"] == expected and record_of(path).exists()
 
 
-def test_an_intact_cache_is_reused(raw, smollm2_tokenizer, monkeypatch):
+def test_an_intact_cache_is_reused(raw, smollm2_tokenizer, encoder_calls):
     tokenize_dataset(raw, smollm2_tokenizer)
-    counter = Counting(monkeypatch)
+    counter = encoder_calls
+    counter.calls = 0  # count from here on
     tokenize_dataset(raw, smollm2_tokenizer)
     assert counter.calls == 0
 
