@@ -101,8 +101,10 @@ def test_kill_9_mid_epoch_with_workers_then_resume_is_exact(tmp_path, tiny_llama
     steps_per_epoch = max(r["step"] for r in uninterrupted if r["epoch"] == 0) + 1
     kill_at = steps_per_epoch + 2 + (steps_per_epoch % 2)  # an even step (a checkpoint) inside the second epoch
 
-    victim = subprocess.Popen(fit_args(tmp_path, tiny_llama_config, "killed", delay=0.4) + max_steps, cwd=tmp_path, env=env(tmp_path),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    victim = subprocess.Popen(
+        fit_args(tmp_path, tiny_llama_config, "killed", delay=0.4) + max_steps,
+        cwd=tmp_path, env=env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
     checkpoint = tmp_path / "killed" / f"step={kill_at}.ckpt"
     deadline = time.monotonic() + 400
     while not checkpoint.exists() and victim.poll() is None and time.monotonic() < deadline:
@@ -114,7 +116,8 @@ def test_kill_9_mid_epoch_with_workers_then_resume_is_exact(tmp_path, tiny_llama
     killed = records(tmp_path / "killed.jsonl.rank0")
     assert any(r["step"] >= kill_at for r in killed)  # batches past the checkpoint were lost and must be redone
 
-    resumed = subprocess.run(fit_args(tmp_path, tiny_llama_config, "resumed") + max_steps + [f"--ckpt_path={checkpoint}"], **run)
+    resume = [f"--ckpt_path={checkpoint}"]
+    resumed = subprocess.run(fit_args(tmp_path, tiny_llama_config, "resumed") + max_steps + resume, **run)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     trained_before = [r for r in killed if r["step"] < kill_at]
     assert [r["rows"] for r in trained_before + records(tmp_path / "resumed.jsonl.rank0")] == [
