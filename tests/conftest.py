@@ -14,6 +14,25 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# What a launcher (or Lightning's DDP in-process) leaves in the environment; a later subprocess would inherit it.
+DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_process_group():
+    """A config run in-process with `strategy: ddp` opens a process group and sets MASTER_PORT; close both after the
+    test so that later launches do not find the port taken."""
+    saved = {key: os.environ.get(key) for key in DISTRIBUTED_ENV}
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs an NVIDIA GPU (cuda marker)")
     if not torch.cuda.is_available():

@@ -22,6 +22,7 @@ from lit_packing.data.collate import INDEX
 from lit_packing.data.tokenize import column
 
 ROOT = Path(__file__).parents[2]
+DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
 # A callback the runs load from tmp_path: it writes every micro-batch's source rows (and may slow the run down, so
 # that the test can kill it at a known point).
@@ -77,7 +78,9 @@ def fit_args(
 
 
 def env(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "OMP_NUM_THREADS": "1"}
+    """This environment without any launcher variables (each run is its own launch), the recorder importable."""
+    clean = {key: value for key, value in os.environ.items() if key not in DISTRIBUTED_ENV}
+    return {**clean, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "OMP_NUM_THREADS": "1"}
 
 
 def records(path: Path) -> list[dict]:
