@@ -23,7 +23,7 @@ from jsonargparse import ArgumentParser
 from rich.console import Console
 from rich.table import Table
 
-from lit_packing.callbacks.throughput import SMOLLM2_135M_SHAPE, flop_coefficients
+from lit_packing.batch import SMOLLM2_135M_SHAPE, flop_coefficients
 from lit_packing.data import PackingDataModule
 from lit_packing.samplers import (
     BestFitPackingSampler,
