@@ -94,15 +94,18 @@ def configured_stats(data: PackingDataModule, accumulate: int) -> PlanStats:
     """One epoch of the configured training loader, counted from its batches' `counts` as the callbacks count them.
 
     `steps` are optimizer steps: micro-batches / `accumulate`, rounded up (the epoch's last step takes the rest).
+    `fill` is each micro-batch's real tokens over its slots, or over the sampler's token budget where that is more
+    (as the strategy rows measure packed fill).
     """
     start = time.perf_counter()
     loader = data.train_dataloader()
+    budget = getattr(data.train_sampler, "max_tokens", None) or 0
     totals: Counter[str] = Counter()
     fill, examples = [], []
     for batch in loader:
         counts = batch[COUNTS]
         totals.update(counts)
-        fill.append(counts["real_tokens"] / max(counts["slot_tokens"], 1))
+        fill.append(counts["real_tokens"] / max(counts["slot_tokens"], budget, 1))
         examples.append(counts["examples"])
     sampler, collator = type(data.train_sampler).__name__, type(loader.collate_fn).__name__
     return PlanStats(
