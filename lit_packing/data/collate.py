@@ -52,6 +52,7 @@ from lit_packing.batch import (
     SEQ_IDX,
     STEP,
     TRUNCATED_TOKENS,
+    attention_cost,
     batch_counts,
 )
 
@@ -153,7 +154,7 @@ class PackedCollator:
                 lengths,
                 label_tokens=int((label_row != IGNORE_INDEX).sum()),
                 slot_tokens=total,
-                attn_cost=int((seg_lens * seg_lens).sum()),
+                attn_cost=attention_cost(seg_lens),
                 truncated_tokens=sum(int(ex.get(TRUNCATED_TOKENS, 0)) for ex in examples),
             ),
             LENGTHS: lengths,
@@ -207,7 +208,7 @@ class PaddedCollator:
                 real_lengths,
                 label_tokens=int((labels != IGNORE_INDEX).sum()),
                 slot_tokens=rows * width,
-                attn_cost=rows * width * width,
+                attn_cost=attention_cost([width] * rows),
                 truncated_tokens=sum(int(ex.get(TRUNCATED_TOKENS, 0)) for ex in examples),
             ),
             LENGTHS: real_lengths,

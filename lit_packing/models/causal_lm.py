@@ -272,7 +272,7 @@ class PackedCausalLM(LightningModule):
                 f"the batch has no '{STEP}' totals, so with world_size={self.trainer.world_size} and "
                 f"accumulate_grad_batches={self.trainer.accumulate_grad_batches} its loss cannot be normalised over "
                 "the optimizer step: use PackingDataModule's samplers, or give every micro-batch of a step "
-                "lit_packing.data.collate.attach_step(...)"
+                "lit_packing.batch.attach_step(...)"
             )
         return parts.normalizer.detach().clamp_min(1)
 
