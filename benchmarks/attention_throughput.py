@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from lit_packing.batch import ATTENTION_MASK, INPUT_IDS, PACKED_KEYS, POSITION_IDS
 from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.models.attention import attn_implementation, flash_attn_installed, torch_varlen_available
 from lit_packing.models.loss import causal_lm_loss
@@ -31,8 +32,7 @@ SMOLLM2_135M = dict(
 )  # fmt: skip
 SMOKE = dict(SMOLLM2_135M, vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-              "max_length_k")  # fmt: skip
+MODEL_KEYS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *PACKED_KEYS[:4])  # what the model reads of a batch
 
 
 def champ_like_lengths(n: int, seed: int, median: float = 940, p90: float = 1900, cap: int = 2048, low: int = 32):

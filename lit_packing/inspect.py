@@ -1,10 +1,14 @@
-"""Packing report: how each sampler would batch your dataset, before you spend a GPU-hour on it. No model needed.
+"""Packing report: how your configured run and each other sampler would batch your dataset, before training.
 
-    python -m lit_packing.inspect --config configs/quickstart.yaml [--batch_size 8] [--max_tokens 4096]
+    python -m lit_packing.inspect --config configs/quickstart.yaml [--data.sampler.init_args.max_tokens=8192 ...]
 
-For the configured data (source, tokenizer, max_length) it prints, per strategy, steps per epoch, real and slot
-tokens, padding ratio, fill, examples per step, attention cost (sum L^2 packed vs rows * max(L)^2 padded) and
-planning time, and writes `packing_report.png` (a histogram of example lengths and of pack fill). A second table
+The data module is the one `python main.py fit --config ... <overrides>` builds: the same LightningCLI parser,
+links and overrides (any `--data.*`, `--model.*` or `--trainer.*` argument is passed through), the model and trainer
+included, so multipack's cost coefficients and `accumulate_grad_batches` are training's. Its first row iterates
+the configured training loader for one epoch (single process) and sums the batches' own `counts`: optimizer steps,
+real and slot tokens and padding ratio equal what a one-epoch fit logs. Then, per strategy, steps per epoch, real
+and slot tokens, padding ratio, fill, examples per step, attention cost (sum L^2 packed vs rows * max(L)^2 padded)
+and planning time, and `packing_report.png` (a histogram of example lengths and of pack fill). A second table
 shows, at 2, 8 and 64 data-parallel ranks, the straggler factor (`straggler_factor`: slowest rank's compute over the
 mean rank's, summed over optimizer steps) of best-fit packs dealt round-robin vs `MultipackSampler`.
 """
@@ -13,17 +17,17 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import yaml
-from jsonargparse import ArgumentParser
 from rich.console import Console
 from rich.table import Table
 
-from lit_packing.callbacks.throughput import SMOLLM2_135M_SHAPE, flop_coefficients
+from lit_packing.batch import COUNTS, SMOLLM2_135M_SHAPE, flop_coefficients
+from lit_packing.cli import cli_main
 from lit_packing.data import PackingDataModule
 from lit_packing.samplers import (
     BestFitPackingSampler,
@@ -38,6 +42,7 @@ from lit_packing.samplers import (
 )
 
 STRAGGLER_RANKS = (2, 8, 64)
+PADDING_BASELINE = "padding (random batches)"
 
 
 @dataclass
@@ -85,10 +90,41 @@ def plan_stats(name: str, plan: PackPlan, seconds: float, padded: bool) -> PlanS
     )
 
 
+def configured_stats(data: PackingDataModule, accumulate: int) -> PlanStats:
+    """One epoch of the configured training loader, counted from its batches' `counts` as the callbacks count them.
+
+    `steps` are optimizer steps: micro-batches / `accumulate`, rounded up (the epoch's last step takes the rest).
+    `fill` is each micro-batch's real tokens over its slots, or over the sampler's token budget where that is more
+    (as the strategy rows measure packed fill).
+    """
+    start = time.perf_counter()
+    loader = data.train_dataloader()
+    budget = getattr(data.train_sampler, "max_tokens", None) or 0
+    totals: Counter[str] = Counter()
+    fill, examples = [], []
+    for batch in loader:
+        counts = batch[COUNTS]
+        totals.update(counts)
+        fill.append(counts["real_tokens"] / max(counts["slot_tokens"], budget, 1))
+        examples.append(counts["examples"])
+    sampler, collator = type(data.train_sampler).__name__, type(loader.collate_fn).__name__
+    return PlanStats(
+        name=f"configured: {sampler} + {collator}",
+        steps=-(-len(examples) // accumulate),
+        real_tokens=totals["real_tokens"],
+        slot_tokens=totals["slot_tokens"],
+        attn_cost=totals["attn_cost"],
+        examples_mean=float(np.mean(examples)) if examples else 0.0,
+        examples_max=max(examples, default=0),
+        plan_seconds=time.perf_counter() - start,
+        fill=np.asarray(fill),
+    )
+
+
 def strategies(batch_size: int, max_tokens: int) -> dict[str, tuple[Callable, bool]]:
     """The paper's variants and ours: name -> (sampler factory, padded?)."""
     return {
-        "padding (random batches)": (lambda n: RandomBatchSampler(n, batch_size=batch_size), True),
+        PADDING_BASELINE: (lambda n: RandomBatchSampler(n, batch_size=batch_size), True),
         "length-grouped, padded": (lambda n: LengthGroupedSampler(n, batch_size=batch_size), True),
         "mini-batch packing": (lambda n: RandomBatchSampler(n, batch_size=batch_size), False),
         "fixed-length packing": (lambda n: FixedLengthPackingSampler(n, max_tokens=max_tokens), False),
@@ -119,10 +155,15 @@ class StragglerRow:
 
 
 def straggler_rows(
-    lengths: np.ndarray, max_tokens: int, accumulate: int = 1, world_sizes: tuple[int, ...] = STRAGGLER_RANKS
+    lengths: np.ndarray,
+    max_tokens: int,
+    accumulate: int = 1,
+    world_sizes: tuple[int, ...] = STRAGGLER_RANKS,
+    coefficients: tuple[float, float] | None = None,
 ) -> list[StragglerRow]:
-    """Compute balance across ranks, costed with SmolLM2-135M's training FLOPs (``a * L + b * L^2`` per example)."""
-    coefficients = flop_coefficients(SMOLLM2_135M_SHAPE)
+    """Compute balance across ranks, costed with a model's training FLOPs (``a * L + b * L^2`` per example,
+    `coefficients`; default SmolLM2-135M's)."""
+    coefficients = coefficients or flop_coefficients(SMOLLM2_135M_SHAPE)
     rows = []
     for world_size in world_sizes:
         round_robin = BestFitPackingSampler(lengths, max_tokens, world_size=world_size)
@@ -152,7 +193,8 @@ def render(rows: list[PlanStats], title: str) -> Table:
     for column in ("strategy", "steps", "real tok", "slot tok", "padding", "fill", "ex/step mean", "ex/step max",
                    "attn cost", "vs padding", "plan s"):  # fmt: skip
         table.add_column(column, justify="left" if column == "strategy" else "right")
-    baseline = max(rows[0].attn_cost, 1)  # the padding baseline: the attention the paper's padded run computes
+    # The padding baseline: the attention the paper's padded run computes.
+    baseline = max(next(r.attn_cost for r in rows if r.name == PADDING_BASELINE), 1)
     for r in rows:
         table.add_row(
             r.name, f"{r.steps:,}", f"{r.real_tokens:,}", f"{r.slot_tokens:,}", f"{r.padding_ratio:.3f}",
@@ -172,7 +214,7 @@ def plot(lengths: np.ndarray, rows: list[PlanStats], path: Path) -> None:
     left.hist(lengths, bins=60, color="tab:blue")
     left.set(title=f"example lengths (n={len(lengths):,})", xlabel="tokens", ylabel="examples")
     for r in rows:
-        if r.name in ("padding (random batches)", "best-fit packing", "fixed-length packing"):
+        if r.name in (rows[0].name, PADDING_BASELINE, "best-fit packing"):
             right.hist(r.fill, bins=40, range=(0, 1), alpha=0.5, label=r.name)
     right.set(title="fill per step (real / slot tokens)", xlabel="fill", ylabel="steps")
     right.legend()
@@ -181,40 +223,45 @@ def plot(lengths: np.ndarray, rows: list[PlanStats], path: Path) -> None:
     plt.close(fig)
 
 
-def load_lengths(config: Path) -> tuple[np.ndarray, int]:
-    """Build the configured data module (tokenization is cached); return training lengths and the token budget."""
-    raw = yaml.safe_load(config.read_text()) or {}
-    data = dict(raw.get("data") or {})
-    budget = ((data.get("sampler") or {}).get("init_args") or {}).get("max_tokens") or data.get("max_length", 2048)
-    data.setdefault("tokenizer", (raw.get("model") or {}).get("model", "smollm2"))
-    parser = ArgumentParser()
-    parser.add_class_arguments(PackingDataModule, "data")
-    parsed = parser.parse_object({"data": data})
-    module = parser.instantiate(parsed)["data"]
-    module.prepare_data()
-    module.setup("fit")
-    return module.train_lengths, int(budget)
+def configured_data(config: Path, overrides: list[str]) -> tuple[PackingDataModule, int]:
+    """The data module, set up, as `python main.py fit --config <config> <overrides>` builds it, and the
+    trainer's `accumulate_grad_batches`.
+
+    The model and trainer are built too (the model's weights load) and connected as `Trainer.fit` connects them,
+    so a sampler that balances by FLOPs gets the model's cost coefficients, as in training.
+    """
+    cli = cli_main(["--config", str(config), *overrides], run=False)
+    cli.trainer.strategy.connect(cli.model)
+    data = cli.datamodule
+    data.trainer = cli.trainer
+    data.prepare_data()
+    data.setup("fit")
+    return data, cli.trainer.accumulate_grad_batches
 
 
 def main(argv: list[str] | None = None) -> list[PlanStats]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, required=True, help="a YAML of configs/ (its `data:` section is used)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--config", type=Path, required=True, help="a YAML of configs/, as main.py fit takes it")
     parser.add_argument("--batch_size", type=int, default=8, help="examples per step for the mini-batch strategies")
     parser.add_argument("--max_tokens", type=int, default=None, help="token budget (default: the config's)")
-    parser.add_argument("--accumulate", type=int, default=1, help="micro-steps per optimizer step (stragglers)")
+    parser.add_argument("--accumulate", type=int, default=None, help="micro-steps per optimizer step (stragglers)")
     parser.add_argument("--out", type=Path, default=Path("packing_report.png"), help="where the PNG goes")
-    args = parser.parse_args(argv)
-    lengths, budget = load_lengths(args.config)
-    max_tokens = args.max_tokens or budget
-    rows = report(lengths, args.batch_size, max_tokens)
+    args, overrides = parser.parse_known_args(argv)
+    data, accumulate = configured_data(args.config, overrides)
+    configured = configured_stats(data, accumulate)  # builds `data.train_sampler`
+    lengths = data.train_lengths
+    max_tokens = args.max_tokens or getattr(data.train_sampler, "max_tokens", None) or data.max_length
+    accumulate = args.accumulate or accumulate
+    rows = [configured, *report(lengths, args.batch_size, max_tokens)]
     title = f"{args.config}: {len(lengths):,} examples, batch_size={args.batch_size}, max_tokens={max_tokens:,}"
     console = Console(width=max(Console().width, 150))
     console.print(render(rows, title))
+    model = data.trainer.lightning_module
     console.print(
         render_stragglers(
-            straggler_rows(lengths, max_tokens, args.accumulate),
-            f"straggler factor (slowest rank / mean rank, SmolLM2-135M FLOPs per optimizer step), "
-            f"max_tokens={max_tokens:,}, accumulate={args.accumulate}",
+            straggler_rows(lengths, max_tokens, accumulate, coefficients=model.cost_coefficients),
+            f"straggler factor (slowest rank / mean rank, the model's FLOPs per optimizer step), "
+            f"max_tokens={max_tokens:,}, accumulate={accumulate}",
         )
     )
     plot(lengths, rows, args.out)

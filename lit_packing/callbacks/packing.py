@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lit_packing.data.collate import COUNTS
+from lit_packing.batch import COUNTS
 
 
 def padding_metrics(counts: dict[str, int]) -> dict[str, float]:

@@ -85,7 +85,9 @@ class ProgressLog(ProgressBar):
         step, total = trainer.global_step, planned_steps(trainer)
         every = self.every or max(trainer.log_every_n_steps, 1)
         due = step % every == 0 or step == total or step == self._first_step + 1
-        if not (self._enabled and trainer.is_global_zero and due and step != self._printed_step):
+        # A micro-batch that completes no optimizer step yet (gradient accumulation) has nothing to report.
+        started = step > self._first_step
+        if not (self._enabled and trainer.is_global_zero and due and started and step != self._printed_step):
             return
         self._printed_step = step
         elapsed = time.monotonic() - self._train_start

@@ -20,7 +20,7 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from rich.console import Console
 from rich.table import Table
 
-from lit_packing.data.collate import COUNTS
+from lit_packing.batch import COUNTS, LENGTHS, ModelShape, hardware_flops, model_flops
 
 _RATES = {  # logged name -> count it divides by time
     "effective_tokens_per_sec": "real_tokens",
@@ -30,44 +30,42 @@ _RATES = {  # logged name -> count it divides by time
 }
 
 
-def model_shape(model: torch.nn.Module) -> dict[str, int]:
-    """Parameters that do matmuls, layers and attention width of a Hugging Face model (for FLOP counts)."""
-    config = model.config.get_text_config() if hasattr(model, "config") else None
-    params = sum(p.numel() for p in model.parameters())
+def model_shape(model: torch.nn.Module) -> ModelShape:
+    """Matmul parameters (trainable, frozen), attention width and per-layer sliding windows of a Hugging Face model.
+
+    The input embedding is a lookup, not a matmul; a tied matrix still counts once (the LM head). Windows come from
+    the config's `layer_types` ("sliding_attention" layers get `sliding_window`), else `sliding_window` on every layer.
+    """
+    trainable = frozen = 0
+    for p in model.parameters():
+        if p.requires_grad:
+            trainable += p.numel()
+        else:
+            frozen += p.numel()
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if embed is not None and (output is None or output.weight is not embed.weight):
-        params -= embed.weight.numel()  # a lookup, not a matmul; a tied matrix still counts once (the LM head)
+        if embed.weight.requires_grad:
+            trainable -= embed.weight.numel()
+        else:
+            frozen -= embed.weight.numel()
+    config = model.config.get_text_config() if hasattr(model, "config") else None
     if config is None:
-        return {"matmul_params": params, "layers": 0, "attn_width": 0}
+        return ModelShape(trainable_params=trainable, frozen_params=frozen, attn_width=0, windows=())
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return {"matmul_params": params, "layers": config.num_hidden_layers, "attn_width": heads * head_dim}
+    return ModelShape(
+        trainable_params=trainable, frozen_params=frozen, attn_width=heads * head_dim, windows=_layer_windows(config)
+    )
 
 
-# SmolLM2-135M(-Instruct), as `model_shape` reads it (tied embeddings: the LM head counts once): the default shape
-# for compute-balanced packing when no model is attached. A test checks it against the packaged model's config.
-SMOLLM2_135M_SHAPE = {"matmul_params": 134_515_008, "layers": 30, "attn_width": 576}
-
-
-def flop_coefficients(shape: dict[str, int]) -> tuple[float, float]:
-    """Training FLOPs (forward + backward) ``a`` per token and ``b`` per attended (query, key) pair of a model shape.
-
-    ``a = 6 * matmul_params`` (two FLOPs per multiply-add, backward twice forward) and ``b = 12 * layers * width``
-    (PaLM's convention: QK^T and AV, forward and backward). An example of L tokens costs ``a * L + b * L^2``.
-    SmolLM2-135M: ``a = 8.07e8``, ``b = 2.07e5``, so attention matches the matmuls at L = a / b = 3,892 tokens.
-    """
-    return 6.0 * shape["matmul_params"], 12.0 * shape["layers"] * shape["attn_width"]
-
-
-def train_flops(shape: dict[str, int], counts: dict[str, int]) -> float:
-    """FLOPs of one forward + backward on a batch: ``a`` * slot tokens + ``b`` * the attention it really costs.
-
-    ``(a, b) = flop_coefficients(shape)``; attention is counted over `attn_cost` (query, key) pairs: sum(L^2) for
-    a packed batch, rows * max(L)^2 for a padded one -- never T^2 for a packed row.
-    """
-    per_token, per_pair = flop_coefficients(shape)
-    return per_token * counts["slot_tokens"] + per_pair * counts["attn_cost"]
+def _layer_windows(config: Any) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention), as transformers configs spell it."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return tuple(window if kind == "sliding_attention" else None for kind in types)
+    return (window,) * config.num_hidden_layers
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -106,11 +104,14 @@ class TokenThroughputMonitor(pl.Callback):
     isolation self-test.
 
     Logged (`train/...`): `effective_tokens_per_sec`, `label_tokens_per_sec`, `slot_tokens_per_sec`,
-    `examples_per_sec`, `tflops_per_sec` (with attention FLOPs from the batch's real attention cost), `mfu` where
-    the device's peak is known (Lightning's table of chips), `peak_memory_gb`. Rates are totals over all ranks;
-    with several ranks `effective_tokens_per_sec_per_rank` is their mean per rank, and the counts are summed over
-    ranks (one all-reduce) only at logging steps (`trainer.log_every_n_steps`) and at the end, so no step waits
-    for a device sync. When training ends a summary table is printed, labelled per rank / all ranks.
+    `examples_per_sec`, `tflops_per_sec` (model FLOPs, `lit_packing.batch.model_flops`: real tokens only, each
+    layer's attention within its window, frozen weights at 4 FLOPs per token, trainable at 6), `mfu` (the same
+    FLOPs over the device's peak, where Lightning's table of chips knows it), `hardware_tflops_per_sec` (what the
+    device computed, `hardware_flops`: padding slots and padded rows' max(L)^2 included), `peak_memory_gb`.
+    Rates are totals over all ranks; with several ranks `effective_tokens_per_sec_per_rank` is their mean per
+    rank, and the counts are summed over ranks (one all-reduce) only at logging steps (`trainer.log_every_n_steps`)
+    and at the end, so no step waits for a device sync. When training ends a summary table is printed, labelled
+    per rank / all ranks.
 
     Args:
         window: number of steps the rates are averaged over.
@@ -123,7 +124,7 @@ class TokenThroughputMonitor(pl.Callback):
         self.totals: Counter[str] = Counter()
         self.train_seconds = 0.0
         self._recent: deque[tuple[float, Counter[str]]] = deque([(0.0, Counter())], maxlen=window + 1)
-        self._shape: dict[str, int] = {}
+        self._shape: ModelShape | None = None
         self._peak_flops: float | None = None
         self._batch_start: float | None = None  # None: the clock is paused until the next training batch starts
 
@@ -153,7 +154,9 @@ class TokenThroughputMonitor(pl.Callback):
     ) -> None:
         now = time.perf_counter()
         counts = Counter(batch[COUNTS])
-        counts["flops"] = train_flops(self._shape, batch[COUNTS]) if self._shape else 0.0
+        if self._shape:
+            counts["flops"] = model_flops(self._shape, batch[COUNTS], batch[LENGTHS])
+            counts["hardware_flops"] = hardware_flops(self._shape, batch[COUNTS])
         self.train_seconds += now - self._batch_start
         self._batch_start = now
         self.totals.update(counts)
@@ -173,12 +176,13 @@ class TokenThroughputMonitor(pl.Callback):
         window: Counter[str] = Counter()
         for _, counts in list(self._recent)[1:]:
             window.update(counts)
-        summed = _sum_over_ranks(trainer, pl_module, window, [*_RATES.values(), "flops"])
+        summed = _sum_over_ranks(trainer, pl_module, window, [*_RATES.values(), "flops", "hardware_flops"])
         elapsed = max(self._recent[-1][0] - self._recent[0][0], 1e-9)
         metrics = {name: summed[count] / elapsed for name, count in _RATES.items()}
         if trainer.world_size > 1:
             metrics["effective_tokens_per_sec_per_rank"] = metrics["effective_tokens_per_sec"] / trainer.world_size
         metrics["tflops_per_sec"] = summed["flops"] / elapsed / 1e12
+        metrics["hardware_tflops_per_sec"] = summed["hardware_flops"] / elapsed / 1e12
         if self._peak_flops:
             metrics["mfu"] = summed["flops"] / elapsed / self._peak_flops
         metrics["peak_memory_gb"] = peak_memory_gb(pl_module.device)

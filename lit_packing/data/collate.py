@@ -2,19 +2,29 @@
 
     batch = PackedCollator()(examples)   # examples: [{"input_ids": [...], "labels": [...]}, ...]
 
-Packed (the paper's method). Lengths 4, 8, 5, 11 become one row of T = 28 tokens:
+Packed (the paper's method). Lengths 4, 8, 5, 11 become one row of T = 28 tokens: `cu_seq_lens_q/k` int32
+(n + 1,), `max_length_q/k` Python ints, `position_ids` (1, T) restarting per example, `seq_idx` int32 (1, T), and
+`labels` (1, T) with each example's first label masked: no example predicts the next one.
 
-    cu_seq_lens_q = cu_seq_lens_k = [0, 4, 12, 17, 28]      int32, (n + 1,)
-    max_length_q  = max_length_k  = 11                      Python int
-    position_ids  = [0 1 2 3 | 0 1 .. 7 | 0 .. 4 | 0 .. 10]  (1, T), restarting per example
-    seq_idx       = [0 0 0 0 | 1 .. 1   | 2 .. 2 | 3 .. 3 ]  int32 (1, T)
-    labels        = [-100 t1 t2 t3 | -100 ... | -100 ... | -100 ...]  (1, T): no example predicts the next one
+>>> examples = [{"input_ids": list(range(1, n + 1))} for n in (4, 8, 5, 11)]
+>>> batch = PackedCollator()(examples)
+>>> batch["cu_seq_lens_q"].tolist(), batch["max_length_q"]
+([0, 4, 12, 17, 28], 11)
+>>> batch["position_ids"][0, :14].tolist()
+[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
+>>> batch["seq_idx"][0, :14].tolist()
+[0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2]
+>>> batch["labels"][0, :6].tolist()
+[-100, 2, 3, 4, -100, 2]
+>>> batch["counts"]["slot_tokens"], batch["counts"]["attn_cost"], batch["lengths"]
+(28, 226, [4, 8, 5, 11])
 
 Key names are Hugging Face's (`transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True,
 return_seq_idx=True)` gives the same tensors), so the batch also runs through transformers' own flash-attention path.
-Every batch also carries host-side values that callbacks and the loss read without a device sync: `counts` (this
-micro-batch), `step` (the whole optimizer step it belongs to: every micro-batch on every rank, when the sampler
-knows it) and `rows` (each example's row in the source, for error messages and resume checks).
+Every batch also carries host-side values that callbacks and the loss read without a device sync
+(`lit_packing.batch`): `counts` (this micro-batch), `lengths` (each real example's tokens), `step` (the whole
+optimizer step it belongs to: every micro-batch on every rank, when the sampler knows it) and `rows` (each
+example's row in the source, for error messages and resume checks).
 """
 
 from __future__ import annotations
@@ -25,81 +35,26 @@ from typing import Any
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
-
-# The batch keys, defined once.
-INPUT_IDS = "input_ids"
-LABELS = "labels"
-POSITION_IDS = "position_ids"
-ATTENTION_MASK = "attention_mask"
-CU_SEQ_LENS_Q = "cu_seq_lens_q"
-CU_SEQ_LENS_K = "cu_seq_lens_k"
-MAX_LENGTH_Q = "max_length_q"
-MAX_LENGTH_K = "max_length_k"
-SEQ_IDX = "seq_idx"
-COUNTS = "counts"
-STEP = "step"
-ROWS = "rows"
-INDEX = "index"  # an example's row in the source dataset (a column of the tokenized data, and an item key)
-PACKED_KEYS = (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, SEQ_IDX)
-
-
-def is_packed(batch: dict[str, Any]) -> bool:
-    """True for a flattened batch (varlen keys present), False for a padded one."""
-    return CU_SEQ_LENS_Q in batch
-
-
-def batch_counts(
-    lengths: Sequence[int], label_tokens: int, slot_tokens: int, attn_cost: int, truncated_tokens: int = 0
-) -> dict[str, int]:
-    """The host-side counts every batch carries (Python ints: reading them never syncs a device).
-
-    Args:
-        lengths: real tokens of each example in the batch.
-        label_tokens: labels != -100, i.e. tokens that contribute to the loss.
-        slot_tokens: tokens the step computes, padding included.
-        attn_cost: attention work in token pairs: sum(L^2) packed, rows * max(L)^2 padded.
-        truncated_tokens: tokens cut from these examples by the overlong policy.
-    """
-    return {
-        "examples": len(lengths),
-        "real_tokens": int(sum(lengths)),
-        "label_tokens": int(label_tokens),
-        "slot_tokens": int(slot_tokens),
-        "attn_cost": int(attn_cost),
-        "sum_sq_lengths": int(sum(int(n) * int(n) for n in lengths)),
-        "truncated_tokens": int(truncated_tokens),
-    }
-
-
-class Pack(list):
-    """One micro-batch's items (dataset indices, slices, or the examples read for them) and its optimizer step.
-
-    `step` holds `{"label_tokens": int, "sequences": int}` summed over every micro-batch of the optimizer step on
-    every rank (None when unknown): the loss divides by it, so no rank needs to communicate to normalise.
-    """
-
-    def __init__(self, items=(), step: dict[str, int] | None = None) -> None:
-        super().__init__(items)
-        self.step = step
-
-
-def step_totals(label_tokens: Sequence[int]) -> dict[str, int]:
-    """The `step` entry from the label-token counts of every item (example or slice) of one optimizer step.
-
-    `label_tokens` normalises the token-mean loss, `sequences` (items with at least one label) the sequence mean.
-    """
-    counts = np.asarray(label_tokens, dtype=np.int64)
-    return {"label_tokens": int(counts.sum()), "sequences": int((counts > 0).sum())}
-
-
-def attach_step(batches: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Give every micro-batch of one optimizer step the step's `step` totals (for hand-built loaders and tests).
-
-    On one rank this is all the loss needs; with several ranks, pass every rank's micro-batches of the step.
-    """
-    step = step_totals([n for batch in batches for n in _item_label_tokens(batch)])
-    return [{**batch, STEP: step} for batch in batches]
+from lit_packing.batch import (
+    ATTENTION_MASK,
+    COUNTS,
+    CU_SEQ_LENS_K,
+    CU_SEQ_LENS_Q,
+    IGNORE_INDEX,
+    INDEX,
+    INPUT_IDS,
+    LABELS,
+    LENGTHS,
+    MAX_LENGTH_K,
+    MAX_LENGTH_Q,
+    POSITION_IDS,
+    ROWS,
+    SEQ_IDX,
+    STEP,
+    TRUNCATED_TOKENS,
+    attention_cost,
+    batch_counts,
+)
 
 
 def _host_entries(examples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -109,14 +64,6 @@ def _host_entries(examples: list[dict[str, Any]]) -> dict[str, Any]:
     if step is not None:
         host[STEP] = step
     return host
-
-
-def _item_label_tokens(batch: dict[str, Any]) -> list[int]:
-    """Label tokens of each example (packed: each `seq_idx` segment; padded: each row) of a collated batch."""
-    mask = batch[LABELS] != IGNORE_INDEX
-    if SEQ_IDX in batch:
-        return torch.bincount(batch[SEQ_IDX][mask].long()).tolist()
-    return mask.sum(dim=1).tolist()
 
 
 def _as_array(values: Any) -> np.ndarray:
@@ -207,9 +154,10 @@ class PackedCollator:
                 lengths,
                 label_tokens=int((label_row != IGNORE_INDEX).sum()),
                 slot_tokens=total,
-                attn_cost=int((seg_lens * seg_lens).sum()),
-                truncated_tokens=sum(int(ex.get("truncated_tokens", 0)) for ex in examples),
+                attn_cost=attention_cost(seg_lens),
+                truncated_tokens=sum(int(ex.get(TRUNCATED_TOKENS, 0)) for ex in examples),
             ),
+            LENGTHS: lengths,
             **host,
         }
 
@@ -218,8 +166,11 @@ class PaddedCollator:
     """Pad examples to the longest in the batch (the paper's baseline), with an `attention_mask`.
 
     Lengths 4, 8, 5, 11 become `input_ids` (4, 11) right-padded with `pad_token_id`, labels -100 on pads and on
-    each example's first token (as in the packed format, so both see the same target tokens), and
-    counts `slot_tokens` = 44, `attn_cost` = 4 * 11^2.
+    each example's first token (as in the packed format, so both see the same target tokens):
+
+    >>> batch = PaddedCollator()([{"input_ids": list(range(1, n + 1))} for n in (4, 8, 5, 11)])
+    >>> tuple(batch["input_ids"].shape), batch["counts"]["slot_tokens"], batch["counts"]["attn_cost"]
+    ((4, 11), 44, 484)
 
     Args:
         pad_token_id: the tokenizer's pad id (linked from the data module).
@@ -257,8 +208,9 @@ class PaddedCollator:
                 real_lengths,
                 label_tokens=int((labels != IGNORE_INDEX).sum()),
                 slot_tokens=rows * width,
-                attn_cost=rows * width * width,
-                truncated_tokens=sum(int(ex.get("truncated_tokens", 0)) for ex in examples),
+                attn_cost=attention_cost([width] * rows),
+                truncated_tokens=sum(int(ex.get(TRUNCATED_TOKENS, 0)) for ex in examples),
             ),
+            LENGTHS: real_lengths,
             **host,
         }

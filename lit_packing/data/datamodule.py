@@ -28,7 +28,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Sampler
 
 from lit_packing.assets import resolve_pretrained
-from lit_packing.data.collate import INPUT_IDS, PackedCollator, PaddedCollator
+from lit_packing.batch import INPUT_IDS
+from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.data.sources import ChampChats, Source
 from lit_packing.data.tokenize import (
     INDEX,

@@ -39,7 +39,7 @@ import torch
 import xxhash
 from datasets import Features, List, Value
 
-from lit_packing.data.collate import IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, Pack
+from lit_packing.batch import IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, Pack
 from lit_packing.data.sources import CHAT, LINE, PROBLEM, PROMPT_COMPLETION, example_problem, example_shape
 from lit_packing.errors import ConfigError, DataError
 
@@ -147,8 +147,8 @@ def chat_template(tokenizer) -> str:
 
 def bos_prefix(tokenizer) -> list[int]:
     """The ids the tokenizer itself puts before a text (`[bos]` for Llama-2-style tokenizers, `[]` for SmolLM2)."""
-    with_special = tokenizer("a")["input_ids"]
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    with_special = tokenizer("a")[INPUT_IDS]
+    plain = tokenizer("a", add_special_tokens=False)[INPUT_IDS]
     for start in range(len(with_special) - len(plain) + 1):
         if with_special[start : start + len(plain)] == plain:
             return with_special[:start]
@@ -215,12 +215,12 @@ class _Encoder:
         return self.tokenizer(texts, add_special_tokens=False, **kwargs)
 
     def _texts(self, texts: list[str]) -> tuple[list, list]:
-        ids = [self.bos + x + [self.eos] for x in self._encode(texts)["input_ids"]]
+        ids = [self.bos + x + [self.eos] for x in self._encode(texts)[INPUT_IDS]]
         return ids, [list(x) for x in ids]
 
     def _prompt_completions(self, prompts: list[str], completions: list[str]) -> tuple[list, list]:
         ids, labels = [], []
-        for p, c in zip(self._encode(prompts)["input_ids"], self._encode(completions)["input_ids"]):
+        for p, c in zip(self._encode(prompts)[INPUT_IDS], self._encode(completions)[INPUT_IDS]):
             prompt, completion = self.bos + p, c + [self.eos]
             ids.append(prompt + completion)
             masked = [IGNORE_INDEX] * len(prompt) if self.train_on == "completion" else prompt
@@ -234,15 +234,15 @@ class _Encoder:
 
     def _chats(self, conversations: list[list[dict]], indices: list[int]) -> tuple[list, list]:
         if self.train_on == "all":
-            ids = self._encode([self._render(m) for m in conversations])["input_ids"]
+            ids = self._encode([self._render(m) for m in conversations])[INPUT_IDS]
             return ids, [list(x) for x in ids]
         rendered = [self._assistant_spans(m, i) for m, i in zip(conversations, indices)]
         encoded = self._encode([text for text, _ in rendered], return_offsets_mapping=True)
         labels = [
             self._label_spans(np.asarray(x), np.asarray(offsets, dtype=np.int64).reshape(-1, 2), spans)
-            for x, offsets, (_, spans) in zip(encoded["input_ids"], encoded["offset_mapping"], rendered)
+            for x, offsets, (_, spans) in zip(encoded[INPUT_IDS], encoded["offset_mapping"], rendered)
         ]
-        return encoded["input_ids"], labels
+        return encoded[INPUT_IDS], labels
 
     def _assistant_spans(self, messages: list[dict], index: int) -> tuple[str, list[tuple[int, int, int]]]:
         """The full render and, per assistant turn, (start, content_end, end) character positions in it."""

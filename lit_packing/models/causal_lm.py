@@ -32,8 +32,7 @@ import torchmetrics
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_packing.callbacks.throughput import flop_coefficients, model_shape
-from lit_packing.data.collate import (
+from lit_packing.batch import (
     ATTENTION_MASK,
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
@@ -44,7 +43,9 @@ from lit_packing.data.collate import (
     POSITION_IDS,
     ROWS,
     STEP,
+    flop_coefficients,
 )
+from lit_packing.callbacks.throughput import model_shape
 from lit_packing.errors import ConfigError, DataError, TrainingError, check_range
 from lit_packing.models.attention import AttnBackend, attn_implementation, available_backends, resolve_backend
 from lit_packing.models.isolation import check_isolation, check_packed_batch
@@ -271,7 +272,7 @@ class PackedCausalLM(LightningModule):
                 f"the batch has no '{STEP}' totals, so with world_size={self.trainer.world_size} and "
                 f"accumulate_grad_batches={self.trainer.accumulate_grad_batches} its loss cannot be normalised over "
                 "the optimizer step: use PackingDataModule's samplers, or give every micro-batch of a step "
-                "lit_packing.data.collate.attach_step(...)"
+                "lit_packing.batch.attach_step(...)"
             )
         return parts.normalizer.detach().clamp_min(1)
 

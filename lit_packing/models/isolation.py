@@ -18,6 +18,17 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from lit_packing.batch import (
+    ATTENTION_MASK,
+    CU_SEQ_LENS_K,
+    CU_SEQ_LENS_Q,
+    IGNORE_INDEX,
+    INPUT_IDS,
+    LABELS,
+    MAX_LENGTH_K,
+    MAX_LENGTH_Q,
+    POSITION_IDS,
+)
 from lit_packing.models.attention import last_kernel_dtype, reset_kernel_dtype
 
 # Allowed max |packed - per-example| of the logits, relative to max(1, max |logits|), by compute dtype. Packed and
@@ -36,22 +47,22 @@ def check_packed_batch(batch: Mapping[str, Any]) -> None:
         IsolationError: a packed batch with a 2D attention_mask, position ids that run on across examples,
             malformed cu_seq_lens, or position ids without cu_seq_lens.
     """
-    if "cu_seq_lens_q" not in batch:
-        ids = batch["input_ids"]
-        if "position_ids" in batch and "attention_mask" not in batch and ids.shape[0] == 1 and ids.shape[1] > 1:
-            pos = batch["position_ids"][0]
+    if CU_SEQ_LENS_Q not in batch:
+        ids = batch[INPUT_IDS]
+        if POSITION_IDS in batch and ATTENTION_MASK not in batch and ids.shape[0] == 1 and ids.shape[1] > 1:
+            pos = batch[POSITION_IDS][0]
             if bool((pos[1:] != pos[:-1] + 1).any()):
                 raise IsolationError(
                     "a packed batch (restarting position_ids) without cu_seq_lens_q/k: use PackedCollator, or "
                     "DataCollatorWithFlattening(return_flash_attn_kwargs=True)"
                 )
         return
-    if "attention_mask" in batch:
+    if ATTENTION_MASK in batch:
         raise IsolationError(
             "a packed batch (cu_seq_lens_q) also carries a 2D attention_mask: transformers then ignores the packing "
             "and lets examples attend to each other (transformers#46634). Drop attention_mask from packed batches"
         )
-    cu, ids = batch["cu_seq_lens_q"], batch["input_ids"]
+    cu, ids = batch[CU_SEQ_LENS_Q], batch[INPUT_IDS]
     if ids.dim() != 2 or ids.shape[0] != 1:
         raise IsolationError(f"a packed batch has shape (1, T), got input_ids {tuple(ids.shape)}")
     total = ids.shape[1]
@@ -60,16 +71,16 @@ def check_packed_batch(batch: Mapping[str, Any]) -> None:
     lengths = cu[1:] - cu[:-1]
     if int(cu[0]) != 0 or int(cu[-1]) != total or bool((lengths < 0).any()):
         raise IsolationError(f"cu_seq_lens_q={cu.tolist()} does not cover the T={total} tokens of the batch")
-    if "cu_seq_lens_k" in batch and not torch.equal(batch["cu_seq_lens_k"].to(cu.dtype), cu):
+    if CU_SEQ_LENS_K in batch and not torch.equal(batch[CU_SEQ_LENS_K].to(cu.dtype), cu):
         raise IsolationError("cu_seq_lens_k differs from cu_seq_lens_q in a self-attention batch")
     longest = int(lengths.max())
-    for key in ("max_length_q", "max_length_k"):
+    for key in (MAX_LENGTH_Q, MAX_LENGTH_K):
         if key in batch and int(batch[key]) < longest:
             raise IsolationError(f"{key}={batch[key]} < the longest example ({longest} tokens)")
-    if "position_ids" not in batch:
+    if POSITION_IDS not in batch:
         raise IsolationError("a packed batch needs position_ids restarting at 0 for every example")
     expected = torch.arange(total) - torch.repeat_interleave(cu[:-1].long(), lengths.long(), output_size=total)
-    if not torch.equal(batch["position_ids"][0].long(), expected):
+    if not torch.equal(batch[POSITION_IDS][0].long(), expected):
         raise IsolationError(
             "position_ids do not restart at 0 at every cu_seq_lens boundary: each example would see shifted "
             "positions. Build packed batches with PackedCollator"
@@ -100,31 +111,31 @@ def sample_packed(
     pack) is topped up with seeded random ones. Then every rank runs the same number of forwards, which keeps a
     sharded model's collectives (FSDP all-gathers every forward) matched across ranks.
     """
-    cu = batch["cu_seq_lens_q"].cpu().tolist()
-    labels = batch["labels"][0].cpu() if "labels" in batch else None
+    cu = batch[CU_SEQ_LENS_Q].cpu().tolist()
+    labels = batch[LABELS][0].cpu() if LABELS in batch else None
     # Real examples only: a segment without labels is the collator's tail padding or an empty pack's token.
     spans = [
         (a, min(b, a + max_example_tokens))
         for a, b in zip(cu[:-1], cu[1:])
-        if b > a and (labels is None or bool((labels[a:b] != -100).any()))
+        if b > a and (labels is None or bool((labels[a:b] != IGNORE_INDEX).any()))
     ][:max_examples]
-    ids = [batch["input_ids"][0, a:b].cpu() for a, b in spans]
-    pos = [batch["position_ids"][0, a:b].cpu() for a, b in spans]
+    ids = [batch[INPUT_IDS][0, a:b].cpu() for a, b in spans]
+    pos = [batch[POSITION_IDS][0, a:b].cpu() for a, b in spans]
     if vocab_size is not None:
         gen = torch.Generator().manual_seed(0)
         for j in range(max_examples - len(spans)):
             ids.append(torch.randint(vocab_size, (5 + 3 * j,), generator=gen))
             pos.append(torch.arange(5 + 3 * j))
     lengths = [len(x) for x in ids]
-    device = batch["input_ids"].device
+    device = batch[INPUT_IDS].device
     new_cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     return {
-        "input_ids": torch.cat(ids)[None].to(device),
-        "position_ids": torch.cat(pos)[None].to(device),
-        "cu_seq_lens_q": new_cu,
-        "cu_seq_lens_k": new_cu,
-        "max_length_q": max(lengths),
-        "max_length_k": max(lengths),
+        INPUT_IDS: torch.cat(ids)[None].to(device),
+        POSITION_IDS: torch.cat(pos)[None].to(device),
+        CU_SEQ_LENS_Q: new_cu,
+        CU_SEQ_LENS_K: new_cu,
+        MAX_LENGTH_Q: max(lengths),
+        MAX_LENGTH_K: max(lengths),
     }
 
 
@@ -158,7 +169,7 @@ def check_isolation(
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     small = sample_packed(batch, vocab_size=base.config.get_text_config().vocab_size)
-    cu = small["cu_seq_lens_q"].cpu().tolist()
+    cu = small[CU_SEQ_LENS_Q].cpu().tolist()
     if reference is None:
         reference = "sdpa" if getattr(base, "_supports_sdpa", False) else "eager"
     was_training = model.training
@@ -170,7 +181,7 @@ def check_isolation(
         with attn_implementation_set(base, reference):
             alone = []
             for start, end in zip(cu[:-1], cu[1:]):
-                ids = small["input_ids"][:, start:end]
+                ids = small[INPUT_IDS][:, start:end]
                 pos = torch.arange(end - start, device=ids.device)[None]
                 alone.append(model(input_ids=ids, position_ids=pos, use_cache=False).logits[0].float())
     finally:

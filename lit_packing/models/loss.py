@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lit_packing.data.collate import CU_SEQ_LENS_Q, IGNORE_INDEX, LABELS, SEQ_IDX
+from lit_packing.batch import CU_SEQ_LENS_Q, IGNORE_INDEX, LABELS, SEQ_IDX
 
 LossNormalization = Literal["token", "sequence"]
 LossImpl = Literal["chunked", "full", "liger"]

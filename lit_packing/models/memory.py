@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_packing.data.collate import (
+from lit_packing.batch import (
     ATTENTION_MASK,
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
@@ -34,9 +34,8 @@ from lit_packing.data.collate import (
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
     POSITION_IDS,
-    PaddedCollator,
-    _padded_length,
 )
+from lit_packing.data.collate import PaddedCollator, _padded_length
 from lit_packing.errors import LitPackingError
 
 log = logging.getLogger(__name__)

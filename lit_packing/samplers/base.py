@@ -12,7 +12,12 @@ two stages, identical on every rank:
    number of steps (no hang) and no example is dropped. ``drop_last=True`` drops those last packs instead.
 
 Worked example: 5 packs ``[P0, P1, P2, P3, P4]``, ``world_size=2`` -> rank 0 yields ``P0, P2, P4``, rank 1 yields
-``P1, P3, []``; with ``drop_last=True`` rank 0 yields ``P0, P2`` and rank 1 ``P1, P3``.
+``P1, P3, []``; with ``drop_last=True`` rank 0 yields ``P0, P2`` and rank 1 ``P1, P3``. With five examples of
+8 tokens, one per pack:
+
+>>> from lit_packing.samplers import SequentialPackingSampler
+>>> [list(SequentialPackingSampler([8] * 5, max_tokens=8, rank=r, world_size=2, shuffle=False)) for r in (0, 1)]
+[[[0], [2], [4]], [[1], [3], []]]
 
 Usage: ``sampler = BestFitPackingSampler(lengths, max_tokens=4096); DataLoader(ds, batch_sampler=sampler)``
 (with Lightning, set ``Trainer(use_distributed_sampler=False)``: the samplers shard themselves).
@@ -30,7 +35,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from lit_packing.data.collate import Pack, step_totals
+from lit_packing.batch import Pack, step_totals
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,7 +84,8 @@ class PackPlan:
 def deal(n_packs: int, world_size: int, drop_last: bool = False) -> np.ndarray:
     """Round-robin schedule of packs over ranks: (steps, world_size) int64 pack ids, -1 for an empty pack.
 
-    ``deal(5, 2)`` -> ``[[0, 1], [2, 3], [4, -1]]``; ``deal(5, 2, drop_last=True)`` -> ``[[0, 1], [2, 3]]``.
+    >>> deal(5, 2).tolist(), deal(5, 2, drop_last=True).tolist()
+    ([[0, 1], [2, 3], [4, -1]], [[0, 1], [2, 3]])
     """
     steps = n_packs // world_size if drop_last else -(-n_packs // world_size)
     schedule = np.arange(steps * world_size, dtype=np.int64)

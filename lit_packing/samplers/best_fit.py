@@ -25,6 +25,10 @@ def best_fit_packs(
     3 (ex. 2), 2 (ex. 4): 6 opens pack A (4 left), 5 opens pack B (5 left), 4 best fits A (0 left), 3 goes to B
     (2 left), 2 to B (0 left) -> packs ``[[0, 3], [1, 2, 4]]``, 10 + 10 tokens, the lower bound ceil(20 / 10) = 2.
     (Next-fit in data order needs 3: ``[[0], [1, 2], [3, 4]]``.)
+
+    >>> items, offsets = best_fit_packs(np.array([6, 5, 3, 4, 2]), 10)
+    >>> items.tolist(), offsets.tolist()
+    ([0, 3, 1, 2, 4], [0, 2, 5])
     """
     n = len(lengths)
     order = rng.permutation(n) if rng is not None else np.arange(n, dtype=np.int64)

@@ -21,6 +21,10 @@ def fixed_length_rows(sizes: np.ndarray, max_tokens: int, drop_last: bool = Fals
 
     Worked example: sizes ``[5, 3, 6]``, ``max_tokens=4`` (a 14-token stream) -> rows
     ``[(0, 0, 4)]``, ``[(0, 4, 5), (1, 0, 3)]``, ``[(2, 0, 4)]``, ``[(2, 4, 6)]``.
+
+    >>> pieces, offsets = fixed_length_rows(np.array([5, 3, 6]), 4)
+    >>> pieces.tolist(), offsets.tolist()
+    ([[0, 0, 4], [0, 4, 5], [1, 0, 3], [2, 0, 4], [2, 4, 6]], [0, 1, 3, 4, 5])
     """
     sizes = np.asarray(sizes, dtype=np.int64)
     ends = np.cumsum(sizes)

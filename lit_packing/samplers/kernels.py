@@ -4,7 +4,11 @@ The only module that imports numba. Every kernel is plain Python compiled with `
 per install, then loaded from ``__pycache__``); the uncompiled function stays reachable as ``kernel.py_func`` and the
 tests check both agree.
 
-Usage: ``bin_of, n_bins = best_fit_decreasing(np.array([6, 5, 4, 3, 2]), 10)``  # -> [0, 1, 0, 1, 1], 2
+Usage:
+
+>>> bin_of, n_bins = best_fit_decreasing(np.array([6, 5, 4, 3, 2]), 10)
+>>> bin_of.tolist(), n_bins
+([0, 1, 0, 1, 1], 2)
 """
 
 from __future__ import annotations
@@ -166,6 +170,9 @@ def balance_steps(costs: np.ndarray, ranks: int, per_rank: int) -> np.ndarray:
         (micro_steps, ranks) int64 positions into ``costs``, -1 where a rank has nothing left in the last step.
 
     Example: costs ``[9, 8, 2, 1]``, 2 ranks, 2 micro-steps -> ``[[0, 1], [3, 2]]``: 9 + 1 and 8 + 2.
+
+    >>> balance_steps(np.array([9.0, 8.0, 2.0, 1.0]), 2, 2).tolist()
+    [[0, 1], [3, 2]]
     """
     n = costs.shape[0]
     group = ranks * per_rank

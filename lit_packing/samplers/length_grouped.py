@@ -22,6 +22,9 @@ class LengthGroupedSampler(PlannedBatchSampler):
     mega-batches ``[0, 1, 2, 3]`` and ``[4, 5]`` -> sorted ``[1, 3, 0, 2]``, ``[4, 5]`` -> packs
     ``[[1, 3], [0, 2], [4, 5]]``.
 
+    >>> list(LengthGroupedSampler([5, 9, 2, 7, 4, 1], batch_size=2, mega_batch_mult=2, shuffle=False))
+    [[1, 3], [0, 2], [4, 5]]
+
     Args:
         lengths: (n,) tokens per example.
         batch_size: examples per step per rank.

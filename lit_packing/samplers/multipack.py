@@ -18,7 +18,7 @@ from typing import Literal
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_packing.callbacks.throughput import SMOLLM2_135M_SHAPE, flop_coefficients
+from lit_packing.batch import SMOLLM2_135M_SHAPE, flop_coefficients
 from lit_packing.samplers import kernels
 from lit_packing.samplers.base import PackPlan, PlannedBatchSampler, check_max_tokens
 from lit_packing.samplers.best_fit import best_fit_packs
@@ -48,6 +48,9 @@ def straggler_factor(
 
     Example: schedule ``[[0, 1], [2, -1]]`` with costs ``[3, 1, 2]`` and ``accumulate=1`` -> steps cost ``[3, 1]``
     and ``[2, 0]``: (3 + 2) / (2 + 1) = 1.67.
+
+    >>> round(straggler_factor(np.array([[0, 1], [2, -1]]), np.array([3.0, 1.0, 2.0])), 2)
+    1.67
     """
     if isinstance(sampler_or_schedule, PlannedBatchSampler):
         schedule, accumulate = sampler_or_schedule.schedule(), sampler_or_schedule.accumulate
@@ -90,7 +93,7 @@ class MultipackSampler(PlannedBatchSampler):
         max_tokens: token budget of one pack (one micro-step on one rank).
         balance: ``compute``: even out ``a * L + b * L^2`` (matmuls + attention); ``tokens``: even out tokens only.
         cost_coefficients: ``(a, b)`` FLOPs per token and per attended (query, key) pair, as
-            ``lit_packing.callbacks.throughput.flop_coefficients`` computes them (the data module passes the
+            ``lit_packing.batch.flop_coefficients`` computes them (the data module passes the
             attached model's ``PackedCausalLM.cost_coefficients``). None with ``balance="compute"``: SmolLM2-135M's
             (``a = 8.07e8``, ``b = 2.07e5``), logged. Ignored with ``balance="tokens"``.
         seed, shuffle, drop_last, rank, world_size: see ``PlannedBatchSampler``.

@@ -11,10 +11,15 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from lit_packing.batch import ModelShape, hardware_flops, model_flops
 from lit_packing.callbacks import PackingMonitor, TokenThroughputMonitor
 from lit_packing.callbacks import throughput as throughput_module
+from lit_packing.callbacks.throughput import model_shape
 from lit_packing.data.collate import PackedCollator, PaddedCollator
+from lit_packing.models.loading import apply_lora
+from tests.conftest import TINY_CONFIGS
 
 BATCH_LENGTHS = [(4, 8, 5, 11), (30,), (3, 3)]
 STEP_SECONDS = 0.5
@@ -42,7 +47,7 @@ class FixedBatches(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def fit(tmp_path, monkeypatch, batches, accumulate=1):
+def fit(tmp_path, monkeypatch, batches, accumulate=1, module=FixedBatches):
     ticks = itertools.count()
     monkeypatch.setattr(throughput_module.time, "perf_counter", lambda: next(ticks) * STEP_SECONDS)
     trainer = pl.Trainer(
@@ -56,7 +61,7 @@ def fit(tmp_path, monkeypatch, batches, accumulate=1):
         accelerator="cpu",
         accumulate_grad_batches=accumulate,
     )
-    trainer.fit(FixedBatches(batches))
+    trainer.fit(module(batches))
     with open(next(tmp_path.rglob("metrics.csv"))) as f:
         rows = [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(f)]
     return trainer, [row for row in rows if "train/padding_ratio" in row]
@@ -77,8 +82,9 @@ def test_packed_steps_log_exact_padding_and_windowed_throughput(tmp_path, monkey
     assert [row["train/effective_tokens_per_sec"] for row in rows] == pytest.approx(expected_rates)
     assert [row["train/slot_tokens_per_sec"] for row in rows] == pytest.approx([32 / 0.5, 64 / 1.0, 48 / 1.0])
     assert [row["train/examples_per_sec"] for row in rows] == pytest.approx([4 / 0.5, 5 / 1.0, 3 / 1.0])
-    params = 3  # FixedBatches has no attention: FLOPs are 6 * params * slot tokens
-    assert rows[0]["train/tflops_per_sec"] == pytest.approx(6 * params * 32 / 0.5 / 1e12)
+    params = 3  # FixedBatches has no attention: model FLOPs are 6 * params * real tokens, hardware's slot tokens
+    assert rows[0]["train/tflops_per_sec"] == pytest.approx(6 * params * 28 / 0.5 / 1e12)
+    assert rows[0]["train/hardware_tflops_per_sec"] == pytest.approx(6 * params * 32 / 0.5 / 1e12)
     assert rows[0]["train/peak_memory_gb"] > 0
     epoch = trainer.callback_metrics
     assert float(epoch["train/epoch_padding_ratio"]) == pytest.approx((80 - 64) / 80)
@@ -92,13 +98,45 @@ def test_padded_batches_count_pad_slots(tmp_path, monkeypatch):
     assert rows[1]["train/padding_ratio"] == 0.0
 
 
-def test_flops_count_the_attention_the_batch_really_costs():
-    shape = {"matmul_params": 1000, "layers": 2, "attn_width": 8}
-    packed = PackedCollator()(examples((4, 8, 5, 11)))["counts"]
-    padded = PaddedCollator()(examples((4, 8, 5, 11)))["counts"]
-    attn = 12 * 2 * 8
-    assert throughput_module.train_flops(shape, packed) == 6 * 1000 * 28 + attn * (16 + 64 + 25 + 121)
-    assert throughput_module.train_flops(shape, padded) == 6 * 1000 * 44 + attn * 4 * 121
+def test_model_flops_count_real_work_and_hardware_flops_what_the_device_computed():
+    # 1,000 trainable and 500 frozen matmul params; two layers of width 8: one full, one with a 5-token window.
+    shape = ModelShape(trainable_params=1000, frozen_params=500, attn_width=8, windows=(None, 5))
+    packed = PackedCollator(pad_to_multiple_of=16)(examples((4, 8, 5, 11)))  # 28 real tokens in 32 slots
+    padded = PaddedCollator()(examples((4, 8, 5, 11)))  # 4 rows x 11 = 44 slots
+    per_token = 6 * 1000 + 4 * 500
+    # Full layer: 16 + 64 + 25 + 121 = 226 pairs; windowed: 4*4 + 8*5 + 5*5 + 11*5 = 136.
+    real = per_token * 28 + 12 * 8 * (226 + 136)
+    assert model_flops(shape, packed["counts"], packed["lengths"]) == real == 258_752
+    assert model_flops(shape, padded["counts"], padded["lengths"]) == real  # padding is waste, not work
+    # Hardware: every slot; attention over whole rows (packed: + the 4-token pad segment), windows not discounted.
+    assert hardware_flops(shape, packed["counts"]) == per_token * 32 + 12 * 2 * 8 * (226 + 16) == 302_464
+    assert hardware_flops(shape, padded["counts"]) == per_token * 44 + 12 * 2 * 8 * 4 * 121 == 444_928
+
+
+class TinyQwen2(FixedBatches):
+    """FixedBatches holding a real tiny Qwen2 (second layer windowed to 6 tokens) with LoRA on q and v."""
+
+    def __init__(self, batches):
+        super().__init__(batches)
+        config = dict(TINY_CONFIGS["qwen2"], use_sliding_window=True, sliding_window=6, max_window_layers=1)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+        self.model = apply_lora(model, {"r": 4, "target_modules": ["q_proj", "v_proj"]})
+
+
+@pytest.mark.parametrize("collate", [PackedCollator(pad_to_multiple_of=16), PaddedCollator()], ids=["packed", "padded"])
+def test_logged_tflops_count_lora_windows_and_real_tokens_only(tmp_path, monkeypatch, collate):
+    # LoRA r=4 on q (64 -> 64) and v (64 -> 32) in 2 layers: 2 * (64*4 + 4*64 + 64*4 + 4*32) = 1,792 trainable;
+    # the frozen rest, input embedding left out (a lookup): 3,220,032.
+    assert model_shape(TinyQwen2([]).model) == ModelShape(
+        trainable_params=1792, frozen_params=3_220_032, attn_width=64, windows=(None, 6)
+    )
+    _, rows = fit(tmp_path, monkeypatch, [collate(examples(lengths)) for lengths in BATCH_LENGTHS], module=TinyQwen2)
+    # Step 0: lengths 4, 8, 5, 11 (28 real tokens); full layer 226 pairs, windowed (6) 16 + 48 + 25 + 66 = 155.
+    flops = (6 * 1792 + 4 * 3_220_032) * 28 + 12 * 64 * (226 + 155)
+    assert rows[0]["train/tflops_per_sec"] == pytest.approx(flops / 0.5 / 1e12)  # float32, as Lightning logs
+    slots, attn = (32, 226 + 16) if isinstance(collate, PackedCollator) else (44, 4 * 121)
+    hardware = (6 * 1792 + 4 * 3_220_032) * slots + 12 * 2 * 64 * attn
+    assert rows[0]["train/hardware_tflops_per_sec"] == pytest.approx(hardware / 0.5 / 1e12)
 
 
 def test_gradient_accumulation_logs_once_per_optimizer_step_over_all_micro_batches(tmp_path, monkeypatch):

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lit_packing.batch import INDEX
 from lit_packing.data import Chatterbot, PackingDataModule
-from lit_packing.data.collate import INDEX
 from lit_packing.data.tokenize import column
 
 ROOT = Path(__file__).parents[2]

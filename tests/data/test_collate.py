@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening
 
-from lit_packing.data.collate import IGNORE_INDEX, PackedCollator, PaddedCollator, is_packed
+from lit_packing.batch import IGNORE_INDEX, is_packed
+from lit_packing.data.collate import PackedCollator, PaddedCollator
 
 LENGTHS = (4, 8, 5, 11)  # the paper's worked example (arXiv 2407.09105)
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
 
+from lit_packing.batch import INPUT_IDS, PACKED_KEYS, POSITION_IDS
 from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.models import IsolationError, attention, check_isolation
 from lit_packing.models.attention import (
@@ -20,7 +21,7 @@ from lit_packing.models.loss import token_losses
 # Two examples of equal length (one batched call), a 1-token example, prompts masked with -100.
 LENGTHS = [7, 3, 12, 7, 1, 5]
 CPU_BACKENDS = ["cpu_varlen", "sdpa_mask"]
-MODEL_KEYS = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+MODEL_KEYS = (INPUT_IDS, POSITION_IDS, *PACKED_KEYS[:4])  # what the model reads of a packed batch
 
 
 def make_examples(lengths, vocab=1000, seed=0):

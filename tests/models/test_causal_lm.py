@@ -16,7 +16,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from lit_packing.data.collate import PackedCollator, PaddedCollator, attach_step
+from lit_packing.batch import attach_step
+from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.models import IsolationError, PackedCausalLM, check_isolation, check_packed_batch
 from lit_packing.models.loss import causal_lm_loss, per_example_losses, token_losses
 
@@ -420,7 +421,8 @@ DDP_SCRIPT = """
 import torch
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader
-from lit_packing.data.collate import PackedCollator, attach_step
+from lit_packing.batch import attach_step
+from lit_packing.data.collate import PackedCollator
 from lit_packing.models import PackedCausalLM
 from lit_packing.models.loss import token_losses
 

@@ -15,8 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from lit_packing.batch import CU_SEQ_LENS_Q, INDEX, INPUT_IDS, LABELS
 from lit_packing.data import PackedCollator
-from lit_packing.data.collate import CU_SEQ_LENS_Q, INDEX, INPUT_IDS, LABELS
 from lit_packing.data.sources import CHAT, PROMPT_COMPLETION, TEXT, _normalized, parse_json_lines
 from lit_packing.data.tokenize import (
     _FEATURES,

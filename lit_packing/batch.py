@@ -1,0 +1,222 @@
+"""The batch format, defined once: keys, `IGNORE_INDEX`, the host-side counts and step totals, and the cost formulas
+(attention pairs, training FLOPs) that collators, loss, samplers, callbacks and the packing report share.
+
+    from lit_packing.batch import COUNTS, IGNORE_INDEX, LABELS, attention_cost, model_flops
+
+Key names are Hugging Face's (see `lit_packing.data.collate` for the tensors a collator builds). Besides tensors,
+every batch carries host-side Python values that callbacks and the loss read without a device sync: `counts`
+(this micro-batch, `Counts`), `lengths` (each real example's length), `step` (the whole optimizer step's totals)
+and `rows` (each example's row in the source).
+
+FLOPs follow PaLM's convention: two FLOPs per multiply-add, and attention counted as QK^T and AV over every
+(query, key) pair of a sequence, causal masking not discounted (L^2 per sequence of L tokens; a sliding window of
+w caps the keys: L * min(L, w)).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, TypedDict
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100  # label of a token no loss is taken on (PyTorch's cross-entropy default)
+
+INPUT_IDS = "input_ids"
+LABELS = "labels"
+POSITION_IDS = "position_ids"
+ATTENTION_MASK = "attention_mask"
+CU_SEQ_LENS_Q = "cu_seq_lens_q"
+CU_SEQ_LENS_K = "cu_seq_lens_k"
+MAX_LENGTH_Q = "max_length_q"
+MAX_LENGTH_K = "max_length_k"
+SEQ_IDX = "seq_idx"
+COUNTS = "counts"
+LENGTHS = "lengths"  # host list: each real example's token count (windowed attention FLOPs need more than sums)
+STEP = "step"
+ROWS = "rows"
+INDEX = "index"  # an example's row in the source dataset (a column of the tokenized data, and an item key)
+PACKED_KEYS = (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, SEQ_IDX)
+TRUNCATED_TOKENS = "truncated_tokens"  # an example's tokens cut by the overlong policy (a tokenized column)
+
+# FLOPs per parameter per token: forward 2; backward 2 for the input gradient + 2 for the weight gradient.
+TRAINABLE_FLOPS_PER_PARAM = 6
+FROZEN_FLOPS_PER_PARAM = 4  # a frozen weight (LoRA's base) still passes the gradient to its input
+# Per (query, key) pair per unit of attention width: QK^T and AV, 2 FLOPs each forward, backward twice forward.
+ATTENTION_FLOPS_PER_PAIR = 12
+
+
+class Counts(TypedDict):
+    """Host-side counts of one micro-batch (plain Python ints: reading them never syncs a device).
+
+    `real_tokens` are the examples' tokens, `slot_tokens` what the step computes (padding included); `attn_cost`
+    is the attention the device computes in (query, key) pairs: sum(L^2) packed (tail padding included),
+    rows * max(L)^2 padded; `sum_sq_lengths` the attention of the real examples alone.
+    """
+
+    examples: int
+    real_tokens: int
+    label_tokens: int
+    slot_tokens: int
+    attn_cost: int
+    sum_sq_lengths: int
+    truncated_tokens: int
+
+
+class ModelShape(TypedDict):
+    """What training FLOPs depend on: matmul parameters (trainable, frozen), attention width, per-layer windows.
+
+    `windows` has one entry per layer: the sliding window in tokens, or None for full attention.
+    """
+
+    trainable_params: int
+    frozen_params: int
+    attn_width: int
+    windows: tuple[int | None, ...]
+
+
+# SmolLM2-135M(-Instruct), as `model_shape` reads it (tied embeddings: the LM head counts once): the default shape
+# for compute-balanced packing when no model is attached. A test checks it against the packaged model's config.
+SMOLLM2_135M_SHAPE = ModelShape(trainable_params=134_515_008, frozen_params=0, attn_width=576, windows=(None,) * 30)
+
+
+def is_packed(batch: dict[str, Any]) -> bool:
+    """True for a flattened batch (varlen keys present), False for a padded one."""
+    return CU_SEQ_LENS_Q in batch
+
+
+def attention_cost(lengths: Sequence[int] | np.ndarray, window: int | None = None) -> int:
+    """(query, key) pairs attention computes over sequences of `lengths`: sum(L * min(L, window)).
+
+    >>> attention_cost([4, 8, 5, 11])
+    226
+    >>> attention_cost([4, 8, 5, 11], window=5)
+    136
+    """
+    n = np.asarray(lengths, dtype=np.int64)
+    return int((n * (n if window is None else np.minimum(n, window))).sum())
+
+
+def batch_counts(
+    lengths: Sequence[int], label_tokens: int, slot_tokens: int, attn_cost: int, truncated_tokens: int = 0
+) -> Counts:
+    """The `counts` every batch carries.
+
+    Args:
+        lengths: real tokens of each example in the batch.
+        label_tokens: labels != IGNORE_INDEX, i.e. tokens that contribute to the loss.
+        slot_tokens: tokens the step computes, padding included.
+        attn_cost: attention the device computes in (query, key) pairs (see `Counts`).
+        truncated_tokens: tokens cut from these examples by the overlong policy.
+
+    >>> batch_counts([4, 8], label_tokens=10, slot_tokens=16, attn_cost=2 * 8 * 8)["sum_sq_lengths"]
+    80
+    """
+    return Counts(
+        examples=len(lengths),
+        real_tokens=int(sum(lengths)),
+        label_tokens=int(label_tokens),
+        slot_tokens=int(slot_tokens),
+        attn_cost=int(attn_cost),
+        sum_sq_lengths=attention_cost(lengths),
+        truncated_tokens=int(truncated_tokens),
+    )
+
+
+def flop_coefficients(shape: ModelShape) -> tuple[float, float]:
+    """Training FLOPs (forward + backward) ``a`` per token and ``b`` per attended (query, key) pair, all layers full.
+
+    ``a = 6 * trainable + 4 * frozen`` matmul parameters, ``b = 12 * layers * width``. An example of L tokens costs
+    ``a * L + b * L^2`` (multipack balances ranks with this). SmolLM2-135M: attention matches the matmuls at
+    L = a / b = 3,892 tokens.
+
+    >>> a, b = flop_coefficients(SMOLLM2_135M_SHAPE)
+    >>> f"{a:.3g} {b:.3g} {a / b:,.0f}"
+    '8.07e+08 2.07e+05 3,892'
+    >>> flop_coefficients(ModelShape(trainable_params=10, frozen_params=100, attn_width=8, windows=(None, 4)))
+    (460.0, 192.0)
+    """
+    per_token = TRAINABLE_FLOPS_PER_PARAM * shape["trainable_params"] + FROZEN_FLOPS_PER_PARAM * shape["frozen_params"]
+    return float(per_token), float(ATTENTION_FLOPS_PER_PAIR * len(shape["windows"]) * shape["attn_width"])
+
+
+def model_flops(shape: ModelShape, counts: Counts, lengths: Sequence[int]) -> float:
+    """FLOPs of the work a batch asks for: real tokens only, each layer's attention within its window.
+
+    Padding is waste, not work, so the same examples cost the same whether packed or padded (this is what
+    `train/tflops_per_sec` and `train/mfu` count).
+
+    >>> shape = ModelShape(trainable_params=1000, frozen_params=0, attn_width=8, windows=(None, 5))
+    >>> counts = batch_counts([4, 8, 5, 11], label_tokens=24, slot_tokens=44, attn_cost=4 * 11 * 11)
+    >>> model_flops(shape, counts, [4, 8, 5, 11]) == 6 * 1000 * 28 + 12 * 8 * (226 + 136)
+    True
+    """
+    per_token, _ = flop_coefficients(shape)
+    attention = sum(k * attention_cost(lengths, w) for w, k in Counter(shape["windows"]).items())
+    return per_token * counts["real_tokens"] + ATTENTION_FLOPS_PER_PAIR * shape["attn_width"] * attention
+
+
+def hardware_flops(shape: ModelShape, counts: Counts) -> float:
+    """FLOPs the device computes on a batch: every slot token, and attention over every computed row in full.
+
+    Padding and padded rows' max(L)^2 count here; windows do not (an upper bound where a kernel skips the
+    blocks outside a sliding window).
+
+    >>> shape = ModelShape(trainable_params=1000, frozen_params=0, attn_width=8, windows=(None, 5))
+    >>> counts = batch_counts([4, 8, 5, 11], label_tokens=24, slot_tokens=44, attn_cost=4 * 11 * 11)
+    >>> hardware_flops(shape, counts) == 6 * 1000 * 44 + 12 * 2 * 8 * 484
+    True
+    """
+    per_token, per_pair = flop_coefficients(shape)
+    return per_token * counts["slot_tokens"] + per_pair * counts["attn_cost"]
+
+
+class Pack(list):
+    """One micro-batch's items (dataset indices, slices, or the examples read for them) and its optimizer step.
+
+    `step` holds `{"label_tokens": int, "sequences": int}` summed over every micro-batch of the optimizer step on
+    every rank (None when unknown): the loss divides by it, so no rank needs to communicate to normalise.
+
+    >>> Pack([3, 1], step=step_totals([5, 0])).step
+    {'label_tokens': 5, 'sequences': 1}
+    """
+
+    def __init__(self, items=(), step: dict[str, int] | None = None) -> None:
+        super().__init__(items)
+        self.step = step
+
+
+def step_totals(label_tokens: Sequence[int]) -> dict[str, int]:
+    """The `step` entry from the label-token counts of every item (example or slice) of one optimizer step.
+
+    `label_tokens` normalises the token-mean loss, `sequences` (items with at least one label) the sequence mean.
+
+    >>> step_totals([3, 0, 4])
+    {'label_tokens': 7, 'sequences': 2}
+    """
+    counts = np.asarray(label_tokens, dtype=np.int64)
+    return {"label_tokens": int(counts.sum()), "sequences": int((counts > 0).sum())}
+
+
+def attach_step(batches: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Give every micro-batch of one optimizer step the step's `step` totals (for hand-built loaders and tests).
+
+    On one rank this is all the loss needs; with several ranks, pass every rank's micro-batches of the step.
+
+    >>> labels = torch.tensor([[IGNORE_INDEX, 5, 6, IGNORE_INDEX, 7]])
+    >>> batch = {LABELS: labels, SEQ_IDX: torch.tensor([[0, 0, 0, 1, 1]])}
+    >>> attach_step([batch])[0][STEP]
+    {'label_tokens': 3, 'sequences': 2}
+    """
+    step = step_totals([n for batch in batches for n in item_label_tokens(batch)])
+    return [{**batch, STEP: step} for batch in batches]
+
+
+def item_label_tokens(batch: dict[str, Any]) -> list[int]:
+    """Label tokens of each example (packed: each `seq_idx` segment; padded: each row) of a collated batch."""
+    mask = batch[LABELS] != IGNORE_INDEX
+    if SEQ_IDX in batch:
+        return torch.bincount(batch[SEQ_IDX][mask].long()).tolist()
+    return mask.sum(dim=1).tolist()
