@@ -227,7 +227,7 @@ from lit_packing.callbacks import TokenThroughputMonitor
 from lit_packing.callbacks import throughput
 from lit_packing.data.collate import PackedCollator
 
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {root!r}]  # this file, and the repository (it imports tests.conftest)
 from test_callbacks import FixedBatches, examples
 
 LENGTHS = [(3, 5), (7,), (2, 2, 2), (9, 1), (4,), (6, 6), (8,), (5, 5, 5)]
@@ -254,7 +254,7 @@ def test_two_ranks_reduce_only_at_logging_steps_and_label_the_summary(tmp_path):
     """2 CPU ranks (gloo), 4 steps, log_every_n_steps=2: the monitor all-reduces at the 2 logging steps and once for
     the summary, never per step; the summary counts both ranks' tokens and says so."""
     script = tmp_path / "ddp_throughput.py"
-    script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent)))
+    script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent), root=str(Path(__file__).parents[2])))
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     out = done.stdout
     assert "REDUCES" in out, out[-2000:] + done.stderr[-4000:]
