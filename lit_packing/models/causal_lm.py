@@ -44,6 +44,7 @@ from lit_packing.batch import (
     ROWS,
     STEP,
     flop_coefficients,
+    is_packed,
 )
 from lit_packing.callbacks.throughput import model_shape
 from lit_packing.errors import ConfigError, DataError, TrainingError, check_range
@@ -216,7 +217,7 @@ class PackedCausalLM(LightningModule):
         self._step_rows.extend(batch.get(ROWS, ()))
         # Every rank runs it on its first packed batch, an empty pack included: the same number of forwards on
         # every rank (see `sample_packed`), so a sharded model's collectives stay matched and nothing hangs.
-        if self._isolation_pending and CU_SEQ_LENS_Q in batch:
+        if self._isolation_pending and is_packed(batch):
             with self._forward_context():
                 diff = check_isolation(self.model, batch, self.attn_backend)
             log.info("isolation self-test passed: attn_backend=%s, max abs logit diff %.3g", self.attn_backend, diff)

@@ -28,6 +28,7 @@ from lit_packing.batch import (
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
     POSITION_IDS,
+    is_packed,
 )
 from lit_packing.models.attention import last_kernel_dtype, reset_kernel_dtype
 
@@ -47,7 +48,7 @@ def check_packed_batch(batch: Mapping[str, Any]) -> None:
         IsolationError: a packed batch with a 2D attention_mask, position ids that run on across examples,
             malformed cu_seq_lens, or position ids without cu_seq_lens.
     """
-    if CU_SEQ_LENS_Q not in batch:
+    if not is_packed(batch):
         ids = batch[INPUT_IDS]
         if POSITION_IDS in batch and ATTENTION_MASK not in batch and ids.shape[0] == 1 and ids.shape[1] > 1:
             pos = batch[POSITION_IDS][0]

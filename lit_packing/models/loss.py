@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lit_packing.batch import CU_SEQ_LENS_Q, IGNORE_INDEX, LABELS, SEQ_IDX
+from lit_packing.batch import CU_SEQ_LENS_Q, IGNORE_INDEX, LABELS, SEQ_IDX, is_packed
 
 LossNormalization = Literal["token", "sequence"]
 LossImpl = Literal["chunked", "full", "liger"]
@@ -137,7 +137,7 @@ def batch_segments(batch: Mapping[str, Any]) -> torch.Tensor:
     labels = batch[LABELS]
     if SEQ_IDX in batch:
         return batch[SEQ_IDX].long()
-    if CU_SEQ_LENS_Q in batch:
+    if is_packed(batch):
         cu = batch[CU_SEQ_LENS_Q].long()
         n, total = len(cu) - 1, labels.shape[1]
         ids = torch.arange(n, device=labels.device)
@@ -165,7 +165,7 @@ def num_segments(batch: Mapping[str, Any]) -> int:
     """
     if SEQ_IDX in batch:
         return batch[SEQ_IDX].shape[1]
-    if CU_SEQ_LENS_Q in batch:
+    if is_packed(batch):
         return batch[CU_SEQ_LENS_Q].shape[0] - 1
     return batch[LABELS].shape[0]
 
