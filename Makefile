@@ -40,7 +40,7 @@ inspect: setup
 	$(PY) -m lit_packing.inspect --config configs/quickstart.yaml
 
 bench: setup
-	$(PY) benchmarks/packing_speed.py
+	$(PY) -m lit_packing.bench
 
 clean:
 	rm -rf $(VENV) runs wandb lightning_logs

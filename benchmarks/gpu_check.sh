@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
-# GPU checks of lit_packing (one H200: about 3-5 minutes for parts 1-2 below, a few more for part 3), from the
-# repository root:
+# GPU checks of lit_packing, one prepared script sized for one H200 (under 8 minutes), from the repository root:
 #
-#   bash benchmarks/gpu_check.sh            # the cuda-marked tests, then padding vs packing throughput
-#   bash benchmarks/gpu_check.sh --smoke    # the same wiring on CPU with a tiny model (seconds)
+#   bash benchmarks/gpu_check.sh            # cuda tests, then the benchmark table in bf16 on the GPU
+#   bash benchmarks/gpu_check.sh --smoke    # the benchmark's wiring on CPU with a tiny model (a minute or two)
 #
-# 1. `pytest -m cuda tests/models`: flash_attn (if installed) and torch_varlen against an fp32 per-example
-#    reference, with the tolerance set by the error of a plain bf16 PyTorch run (kernel fwd+bwd, and model logits).
-# 2. fwd+bwd of the SmolLM2-135M architecture (random weights, bf16 autocast) on CHAMP-like lengths: padding (sdpa
-#    with the mask) vs packing with each backend; prints real tokens/s, speed-up, peak memory, loss.
-# 3. peak memory of a step with a 152k vocabulary at 8k and 32k tokens: full logits vs the chunked loss vs Liger, each
-#    beside the memory estimate's prediction (benchmarks/loss_memory.py).
+# 1. `pytest -m cuda tests/models` (<= 2 min): flash_attn (if installed) and torch_varlen against an fp32 per-example
+#    reference, with the tolerance set by the error of a plain bf16 PyTorch run; FSDP and 16-mixed steps.
+# 2. `python -m lit_packing.bench` on the GPU (<= 4 min): SmolLM2-135M's architecture (30 layers, random weights),
+#    bf16-mixed, `torch_varlen`, every variant with the HF Trainer peer (and TRL's when TRL is installed), 3
+#    interleaved rounds of 2 warm-up + 10 timed steps. Writes $RESULTS/bench_gpu/bench.{md,json,png} after every
+#    round: the README's GPU table is made from bench.md.
+# 3. with flash-attn installed (<= 75 s): padding vs mini-batch packing again with `flash_attn`, 2 rounds
+#    ($RESULTS/bench_gpu_flash/).
+# 4. peak memory of a step with a 152k vocabulary at 8k and 32k tokens (<= 45 s): full logits vs the chunked loss,
+#    each beside the memory estimate's prediction (benchmarks/loss_memory.py).
 #
+# RESULTS: $OUT when set (a device machine's returned folder), else runs/.
 # Python: $PYTHON, else .venv/bin/python, else python3. lit_packing runs from the checkout (PYTHONPATH), nothing is
-# installed; it needs torch, transformers, lightning, torchmetrics and peft (the parts used here, lit_packing.models
-# and lit_packing.data.collate, do not import `datasets`). On a machine without an index, put wheels of a missing
-# package in .whl/, e.g.:
+# installed; it needs torch, transformers, lightning, torchmetrics, datasets, peft (and trl for the TRL row). On a
+# machine without an index, put wheels of a missing package in .whl/, e.g.:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl NAME==VERSION
 # and this script installs .whl/*.whl into /tmp/site.
@@ -28,35 +31,45 @@ if [[ -d .whl ]] && compgen -G ".whl/*.whl" >/dev/null; then
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
+RESULTS="${OUT:-runs}"
 
 if [[ "${1:-}" == "--smoke" ]]; then
-  exec "$PYTHON" benchmarks/attention_throughput.py --device cpu --smoke
+  exec "$PYTHON" -m lit_packing.bench --smoke --out "$RESULTS/bench_smoke"
 fi
 
 status=0
 echo "== environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-"$PYTHON" - <<'EOF' || { echo "lit_packing does not import: put the missing package's wheels in .whl/ (see above)"; exit 1; }
+"$PYTHON" - <<'PY' || { echo "lit_packing does not import: put the missing package's wheels in .whl/ (see above)"; exit 1; }
 import torch, transformers, lightning
 from lit_packing.models.attention import flash_attn_installed, resolve_backend
 print(f"torch {torch.__version__}, transformers {transformers.__version__}, lightning {lightning.__version__}")
 print(f"cuda {torch.cuda.is_available()}, flash-attn installed {flash_attn_installed()}, auto -> "
       f"{resolve_backend('auto', 'cuda' if torch.cuda.is_available() else 'cpu')}")
-EOF
+PY
 
 echo "== cuda tests"
-timeout 240 "$PYTHON" -m pytest -m cuda tests/models -q -p no:cacheprovider -rs || status=1
+timeout 120 "$PYTHON" -m pytest -m cuda tests/models -q -p no:cacheprovider -rs || status=1
 
-echo "== throughput: SmolLM2-135M architecture, bf16, 16 examples per mini-batch, all backends"
-timeout 180 "$PYTHON" benchmarks/attention_throughput.py --device cuda --examples 16 --steps 12 || status=1
+VARIANTS="padding,minibatch_packing,fixed_no_position_ids,fixed_position_ids,bestfit_packing,multipack,hf_trainer"
+if "$PYTHON" -c "import trl" 2>/dev/null; then VARIANTS="$VARIANTS,trl_bfd"; else echo "(TRL not installed: no TRL row)"; fi
+GPU_BENCH=(--accelerator cuda --precision bf16-mixed --model_config '{num_hidden_layers: 30}' --pretrained '[]'
+           --warmup_steps 2 --steps 10)
 
-echo "== throughput: 32 examples per mini-batch, padding vs torch_varlen"
-timeout 120 "$PYTHON" benchmarks/attention_throughput.py --device cuda --examples 32 --steps 8 \
-  --modes padding torch_varlen flash_attn || status=1
+echo "== benchmark: SmolLM2-135M architecture, bf16-mixed, torch_varlen, 3 rounds"
+timeout 240 "$PYTHON" -m lit_packing.bench "${GPU_BENCH[@]}" --attn_backend torch_varlen --variants "[$VARIANTS]" \
+  --rounds 3 --out "$RESULTS/bench_gpu" || status=1
 
-echo "== loss memory: 152k vocabulary (Qwen2.5), 8k and 32k tokens, bf16-mixed: full logits vs chunked vs Liger"
-# liger-kernel is optional (`lit_packing[liger]`): without it the liger rows print a clear error, the others still run.
-timeout 240 "$PYTHON" benchmarks/loss_memory.py --device cuda --precision bf16-mixed --tokens 8192 32768 \
-  --impls full chunked liger || status=1
+if "$PYTHON" -c "import flash_attn" 2>/dev/null; then
+  echo "== benchmark: padding vs mini-batch packing with flash_attn, 2 rounds"
+  timeout 75 "$PYTHON" -m lit_packing.bench "${GPU_BENCH[@]}" --attn_backend flash_attn \
+    --variants '[padding, minibatch_packing]' --rounds 2 --out "$RESULTS/bench_gpu_flash" || status=1
+else
+  echo "(flash-attn not installed: no flash_attn rows)"
+fi
+
+echo "== loss memory: 152k vocabulary (Qwen2.5), 8k and 32k tokens, bf16-mixed: full logits vs chunked"
+timeout 45 "$PYTHON" benchmarks/loss_memory.py --device cuda --precision bf16-mixed --tokens 8192 32768 \
+  --impls full chunked || status=1
 
 exit $status

@@ -9,7 +9,8 @@ checkpoint an earlier `fit` wrote):
   README shows. Commands that need a GPU or the Hub (`configs/gpu.yaml`, a Hub model name) and the `main.py`
   command inside a multi-node launcher (`torchrun`, `srun`) are checked for parse errors only (`--print_config`):
   this suite runs on CPU without network.
-- `python -m lit_packing.inspect ...`: run as written.
+- `python -m lit_packing.inspect ...`: run as written. `python -m lit_packing.bench ...`: its settings parsed and
+  checked (the benchmark itself runs, smoke-sized, in tests/bench/).
 - `python benchmarks/*.py ...`: `--help`, and every option the README passes must be one the script accepts.
 - `bash benchmarks/*.sh`: `bash -n` (syntax; the script needs a GPU). `make <target>`: `make -n` (the target exists;
   running it would create a virtual environment).
@@ -128,6 +129,10 @@ def test_readme_command_runs(words, scratch, monkeypatch, capsys):
         from lit_packing.inspect import main
 
         assert main(words[3:])
+    elif words[:3] == ["python", "-m", "lit_packing.bench"]:
+        from lit_packing.bench.run import parse
+
+        assert parse(words[3:]).rounds >= 1
     elif words[0] == "python" and words[1].startswith("benchmarks/"):
         shown = run([sys.executable, words[1], "--help"]).stdout
         for option in (w.split("=")[0] for w in words[2:] if w.startswith("--")):
