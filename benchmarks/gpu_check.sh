@@ -7,13 +7,16 @@
 # 1. `pytest -m cuda tests/models` (<= 2 min): flash_attn (if installed) and torch_varlen against an fp32 per-example
 #    reference, with the tolerance set by the error of a plain bf16 PyTorch run; FSDP and 16-mixed steps.
 # 2. `python -m lit_packing.bench` on the GPU (<= 4 min): SmolLM2-135M's architecture (30 layers, random weights),
-#    bf16-mixed, `torch_varlen`, every variant with the HF Trainer peer (and TRL's when TRL is installed), 3
-#    interleaved rounds of 2 warm-up + 10 timed steps. Writes $RESULTS/bench_gpu/bench.{md,json,png} after every
-#    round: the README's GPU table is made from bench.md.
-# 3. with flash-attn installed (<= 75 s): padding vs mini-batch packing again with `flash_attn`, 2 rounds
+#    bf16-mixed, `torch_varlen`: padding (chunked and full-logits loss), mini-batch packing, best fit and the HF
+#    Trainer peer (and TRL's when TRL is installed), 3 interleaved rounds of 2 warm-up + 10 timed steps. (The
+#    fixed-length rows, a contamination demonstration, and multipack, a multi-GPU balance, run in the CPU table.)
+#    Writes $RESULTS/bench_gpu/bench.{md,json,png} after every round: the README's GPU table is made from bench.md.
+# 3. with flash-attn installed (<= 1 min): padding vs mini-batch packing with `flash_attn`, 2 rounds
 #    ($RESULTS/bench_gpu_flash/).
 # 4. peak memory of a step with a 152k vocabulary at 8k and 32k tokens (<= 45 s): full logits vs the chunked loss,
 #    each beside the memory estimate's prediction (benchmarks/loss_memory.py).
+# Every part is capped by what is left of BUDGET seconds (default 450: the script ends within 8 minutes), and a
+# part with under 20 s left is skipped.
 #
 # RESULTS: $OUT when set (a device machine's returned folder), else runs/.
 # Python: $PYTHON, else .venv/bin/python, else python3. lit_packing runs from the checkout (PYTHONPATH), nothing is
@@ -48,28 +51,37 @@ print(f"cuda {torch.cuda.is_available()}, flash-attn installed {flash_attn_insta
       f"{resolve_backend('auto', 'cuda' if torch.cuda.is_available() else 'cpu')}")
 PY
 
-echo "== cuda tests"
-timeout 120 "$PYTHON" -m pytest -m cuda tests/models -q -p no:cacheprovider -rs || status=1
+BUDGET="${BUDGET:-450}"
+# cap SECONDS_MAX: the part's own limit, or what is left of the budget; 0 when under 20 s are left.
+cap() { local left=$((BUDGET - SECONDS)); (( left < 20 )) && echo 0 || echo $(( left < $1 ? left : $1 )); }
+part() {  # part SECONDS_MAX NAME COMMAND...: run under its cap, or say it was skipped
+  local limit; limit=$(cap "$1"); shift
+  local name="$1"; shift
+  if (( limit == 0 )); then echo "(skipped: $name, the ${BUDGET}s budget is spent)"; status=1; return; fi
+  echo "== $name (at most ${limit}s)"
+  timeout "$limit" "$@" || status=1
+}
 
-VARIANTS="padding,minibatch_packing,fixed_no_position_ids,fixed_position_ids,bestfit_packing,multipack,hf_trainer"
+part 120 "cuda tests" "$PYTHON" -m pytest -m cuda tests/models -q -p no:cacheprovider -rs
+
+VARIANTS="padding,padding_full_logits,minibatch_packing,bestfit_packing,hf_trainer"
 if "$PYTHON" -c "import trl" 2>/dev/null; then VARIANTS="$VARIANTS,trl_bfd"; else echo "(TRL not installed: no TRL row)"; fi
 GPU_BENCH=(--accelerator cuda --precision bf16-mixed --model_config '{num_hidden_layers: 30}' --pretrained '[]'
            --warmup_steps 2 --steps 10)
-
-echo "== benchmark: SmolLM2-135M architecture, bf16-mixed, torch_varlen, 3 rounds"
-timeout 240 "$PYTHON" -m lit_packing.bench "${GPU_BENCH[@]}" --attn_backend torch_varlen --variants "[$VARIANTS]" \
-  --rounds 3 --out "$RESULTS/bench_gpu" || status=1
+part 240 "benchmark: SmolLM2-135M architecture, bf16-mixed, torch_varlen, 3 rounds" \
+  "$PYTHON" -m lit_packing.bench "${GPU_BENCH[@]}" --attn_backend torch_varlen --variants "[$VARIANTS]" \
+  --rounds 3 --out "$RESULTS/bench_gpu"
 
 if "$PYTHON" -c "import flash_attn" 2>/dev/null; then
-  echo "== benchmark: padding vs mini-batch packing with flash_attn, 2 rounds"
-  timeout 75 "$PYTHON" -m lit_packing.bench "${GPU_BENCH[@]}" --attn_backend flash_attn \
-    --variants '[padding, minibatch_packing]' --rounds 2 --out "$RESULTS/bench_gpu_flash" || status=1
+  part 60 "benchmark: padding vs mini-batch packing with flash_attn, 2 rounds" \
+    "$PYTHON" -m lit_packing.bench "${GPU_BENCH[@]}" --attn_backend flash_attn \
+    --variants '[padding, minibatch_packing]' --rounds 2 --out "$RESULTS/bench_gpu_flash"
 else
   echo "(flash-attn not installed: no flash_attn rows)"
 fi
 
-echo "== loss memory: 152k vocabulary (Qwen2.5), 8k and 32k tokens, bf16-mixed: full logits vs chunked"
-timeout 45 "$PYTHON" benchmarks/loss_memory.py --device cuda --precision bf16-mixed --tokens 8192 32768 \
-  --impls full chunked || status=1
+part 45 "loss memory: 152k vocabulary (Qwen2.5), 8k and 32k tokens, bf16-mixed: full logits vs chunked" \
+  "$PYTHON" benchmarks/loss_memory.py --device cuda --precision bf16-mixed --tokens 8192 32768 --impls full chunked
 
+echo "== done in ${SECONDS}s; results under $RESULTS/bench_gpu*"
 exit $status

@@ -54,8 +54,9 @@ VARIANTS: dict[str, Variant] = {
     ),
     "bestfit_packing": Variant("best-fit packing", "lit_packing", "bestfit_packing.yaml", ("max_tokens",)),
     "multipack": Variant("multipack", "lit_packing", "multipack.yaml", ("max_tokens",)),
-    "hf_trainer": Variant("HF Trainer + DataCollatorWithFlattening + sdpa", "hf_trainer"),
-    "trl_bfd": Variant("TRL SFTTrainer, padding_free + bfd packing", "trl"),
+    # The peers' examples come from our mini-batch packing data module (the HF Trainer takes its batches).
+    "hf_trainer": Variant("HF Trainer + DataCollatorWithFlattening + sdpa", "hf_trainer", sampler_args=("batch_size",)),
+    "trl_bfd": Variant("TRL SFTTrainer, padding_free + bfd packing", "trl", sampler_args=("batch_size",)),
 }
 BASELINE = "padding"
 PAPER_METHOD = "minibatch_packing"
@@ -131,12 +132,14 @@ class RunResult:
     step_end: list[float] = field(default_factory=list)
     real_tokens: list[int] = field(default_factory=list)
     slot_tokens: list[int] = field(default_factory=list)
+    work: list[float] = field(default_factory=list)  # FLOPs the step computed (`lit_packing.batch.hardware_flops`)
     loss: list[float] = field(default_factory=list)
     val_loss: float | None = None
     peak_memory_gb: float = 0.0  # over the timed steps (see `worker.peak_memory`)
     epoch_steps: int = 0  # optimizer steps of one epoch, from the variant's own loader
     epoch_real_tokens: int = 0
     epoch_slot_tokens: int = 0
+    epoch_work: float = 0.0  # FLOPs of one epoch of the row's loader, by the same formula
     device: str = ""
 
     @property
@@ -152,6 +155,17 @@ class RunResult:
     def tokens_per_second(self) -> float:
         """Effective (real) tokens per second of the timed steps."""
         return self.timed_real_tokens / self.timed_seconds
+
+    @property
+    def epoch_seconds(self) -> float:
+        """One epoch's time, estimated from the timed steps' seconds per FLOP: rows whose timed steps hold other
+        examples (best fit, fixed-length, TRL) than the epoch's average are compared on the epoch's mix."""
+        return self.timed_seconds * self.epoch_work / sum(self.work[self.warmup_steps :])
+
+    @property
+    def epoch_tokens_per_second(self) -> float:
+        """Effective tokens/s over one epoch (estimated, see `epoch_seconds`)."""
+        return self.epoch_real_tokens / self.epoch_seconds
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -23,9 +23,9 @@ import torch
 from lightning.pytorch import Callback
 
 from lit_packing.assets import resolve_pretrained
-from lit_packing.batch import COUNTS, IGNORE_INDEX, INPUT_IDS, LABELS
+from lit_packing.batch import COUNTS, IGNORE_INDEX, INPUT_IDS, LABELS, hardware_flops
 from lit_packing.bench.variants import CONFIGS, VARIANTS, RunResult, RunSpec
-from lit_packing.callbacks.throughput import peak_memory_gb
+from lit_packing.callbacks.throughput import model_shape, peak_memory_gb
 from lit_packing.cli import PackingCLI, cli_main
 from lit_packing.inspect import configured_stats
 
@@ -69,12 +69,17 @@ class StepClock(Callback):
     def __init__(self, result: RunResult) -> None:
         self.result = result
         self._losses: list[torch.Tensor] = []
+        self._shape = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._shape = model_shape(pl_module.hf_model)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         _step_ended(self.result, pl_module.device)
         counts = batch[COUNTS]
         self.result.real_tokens.append(int(counts["real_tokens"]))
         self.result.slot_tokens.append(int(counts["slot_tokens"]))
+        self.result.work.append(hardware_flops(self._shape, counts))
         self._losses.append(outputs["loss"].detach())  # read back once, at the end: no extra sync per step
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -102,11 +107,22 @@ def run_ours(spec: RunSpec, result: RunResult) -> None:
     result.epoch_steps, result.epoch_real_tokens, result.epoch_slot_tokens = (
         epoch.steps, epoch.real_tokens, epoch.slot_tokens
     )  # fmt: skip
+    totals = {"slot_tokens": epoch.slot_tokens, "attn_cost": epoch.attn_cost}
+    result.epoch_work = hardware_flops(model_shape(cli.model.hf_model), totals)
     result.device = str(cli.model.device)
 
 
 def _examples(dataset, order) -> list[dict[str, list[int]]]:
     return [{INPUT_IDS: dataset[int(i)][INPUT_IDS].tolist(), LABELS: dataset[int(i)][LABELS].tolist()} for i in order]
+
+
+def peer_counts(batch: dict) -> dict[str, int]:
+    """Real and slot tokens of a peer's batch, and the attention its `sdpa` computes: every row in full (a packed
+    row's block-diagonal mask is applied to the whole T x T product)."""
+    ids, mask = batch[INPUT_IDS], batch.get("attention_mask")
+    rows, width = ids.shape
+    real = int(mask.sum()) if mask is not None else ids.numel()
+    return {"real_tokens": real, "slot_tokens": ids.numel(), "attn_cost": rows * width * width}
 
 
 def run_peer(spec: RunSpec, result: RunResult) -> None:
@@ -115,14 +131,14 @@ def run_peer(spec: RunSpec, result: RunResult) -> None:
 
     # Our data module (and model, for validation) built as the mini-batch packing run builds them: the same
     # examples, split, tokenization and mini-batches.
-    cli = _cli(spec, "minibatch_packing.yaml")
+    cli = _cli(spec, VARIANTS[spec.variant].config)
     data, device = cli.datamodule, torch.device("cuda" if spec.accelerator in ("cuda", "gpu") else "cpu")
     data.prepare_data()
     data.setup("fit")
     path = resolve_pretrained(spec.model)  # `smollm2`: the packaged model's converted folder
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
-    if spec.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    cli.model.model = model  # one copy in memory; validation later scores these weights with our attention
+    shape = model_shape(model)
     clock_losses: list[torch.Tensor] = []
 
     class StepEnd(TrainerCallback):
@@ -134,10 +150,10 @@ def run_peer(spec: RunSpec, result: RunResult) -> None:
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            ids = inputs[INPUT_IDS]
-            mask = inputs.get("attention_mask")
-            result.real_tokens.append(int(mask.sum()) if mask is not None else ids.numel())
-            result.slot_tokens.append(ids.numel())
+            counts = peer_counts(inputs)
+            result.real_tokens.append(counts["real_tokens"])
+            result.slot_tokens.append(counts["slot_tokens"])
+            result.work.append(hardware_flops(shape, counts))
             clock_losses.append((loss[0] if return_outputs else loss).detach())
             return loss
 
@@ -146,7 +162,8 @@ def run_peer(spec: RunSpec, result: RunResult) -> None:
         adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, max_grad_norm=1.0, lr_scheduler_type="constant",
         warmup_steps=0, logging_steps=spec.steps, report_to="none", save_strategy="no", eval_strategy="no",
         use_cpu=device.type == "cpu", bf16=spec.precision.startswith("bf16"), dataloader_num_workers=0,
-        seed=spec.seed, disable_tqdm=True,
+        seed=spec.seed, disable_tqdm=True, activation_checkpointing=spec.gradient_checkpointing,
+        optim="adamw_torch_fused" if device.type == "cuda" else "adamw_torch",  # the AdamW ours runs there
     )  # fmt: skip
     train = data.train_dataset
     if spec.variant == "hf_trainer":
@@ -187,12 +204,12 @@ def run_peer(spec: RunSpec, result: RunResult) -> None:
     result.loss = [float(x) for x in clock_losses]
     # One epoch of the peer's own loader and collator: its steps and tokens.
     for batch in trainer.get_train_dataloader():
-        mask = batch.get("attention_mask")
+        counts = peer_counts(batch)
         result.epoch_steps += 1
-        result.epoch_slot_tokens += batch[INPUT_IDS].numel()
-        result.epoch_real_tokens += int(mask.sum()) if mask is not None else batch[INPUT_IDS].numel()
+        result.epoch_slot_tokens += counts["slot_tokens"]
+        result.epoch_real_tokens += counts["real_tokens"]
+        result.epoch_work += hardware_flops(shape, counts)
     # Validation: the peer's trained weights, scored by lit_packing's validation on the same held-out examples.
-    cli.model.model.load_state_dict(trainer.model.state_dict())
     result.val_loss = _validate(cli)
     result.device = str(device)
 
@@ -207,6 +224,7 @@ def run(spec: RunSpec) -> RunResult:
 
 def main(argv: list[str] | None = None) -> None:
     spec_path, result_path = argv or sys.argv[1:]
+    sys.argv = sys.argv[:1]  # the CLI built inside reads its arguments from the spec, not from this command line
     spec = RunSpec(**json.loads(Path(spec_path).read_text()))
     result = run(spec)
     Path(result_path).write_text(json.dumps(result.to_dict()))

@@ -9,9 +9,12 @@ import statistics
 
 import numpy as np
 import pytest
+from transformers import AutoModelForCausalLM
 
+from lit_packing.batch import hardware_flops
 from lit_packing.bench.run import BenchSettings, main, parse, plan_runs
 from lit_packing.bench.variants import CONFIGS, VARIANTS, RunSpec
+from lit_packing.callbacks.throughput import model_shape
 from lit_packing.inspect import configured_data
 from lit_packing.samplers import BestFitPackingSampler, FixedLengthPackingSampler, MultipackSampler
 
@@ -38,7 +41,7 @@ def data(bench):
 
 
 def test_every_row_and_output(bench):
-    report, payload, out = bench
+    _, payload, out = bench
     settings = BenchSettings(smoke=True)
     assert [row["row"] for row in payload["table"]] == settings.variants == list(VARIANTS)
     markdown = (out / "bench.md").read_text()
@@ -46,7 +49,12 @@ def test_every_row_and_output(bench):
         assert f"| {variant.label} |" in markdown
     assert (out / "bench.png").stat().st_size > 10_000
     assert len(payload["runs"]) == settings.rounds * len(VARIANTS)
-    assert {t["target"] for t in payload["targets"]} == {t for t, _, _ in report.targets()}
+    targets = " / ".join(t["target"] for t in payload["targets"])
+    for target in ("2.0x padding", "1.5x HF Trainer", "fewer optimizer steps", "tokens/s >= mini-batch",
+                   "val loss of mini-batch packing", "contaminated", "peak memory"):  # fmt: skip
+        assert target in targets
+    assert all(isinstance(t["met"], bool) for t in payload["targets"])  # every row ran: each can be judged
+    assert "| target | measured | met |" in markdown
 
 
 def test_epoch_counts_match_the_plans(bench, data):
@@ -54,10 +62,11 @@ def test_epoch_counts_match_the_plans(bench, data):
     spec, lengths, batches = data
     rows = {row["row"]: row for row in payload["table"]}
     total = int(lengths.sum())
-    for name, row in rows.items():  # every row trains the same examples
-        assert row["real_tokens"] == total, name
-        assert row["padding_ratio"] == pytest.approx(1 - row["real_tokens"] / row["slot_tokens"])
     padded_slots = sum(len(b) * int(lengths[b].max()) for b in batches)
+    for name, row in rows.items():  # every row trains the same examples; only padding has padding
+        assert row["real_tokens"] == total, name
+        padded = name.startswith("padding")
+        assert row["padding_ratio"] == pytest.approx(1 - total / padded_slots if padded else 0.0), name
     for name in ("padding", "padding_full_logits"):
         assert (rows[name]["optimizer_steps_per_epoch"], rows[name]["slot_tokens"]) == (len(batches), padded_slots)
     for name in ("minibatch_packing", "hf_trainer"):
@@ -82,6 +91,15 @@ def test_steps_tokens_and_losses_agree(bench, data):
     for name in ("padding", "padding_full_logits", "minibatch_packing", "hf_trainer"):  # the same mini-batches
         assert first[name]["real_tokens"] == expected, name
     assert first["padding"]["slot_tokens"] == [len(b) * int(lengths[b].max()) for b in batches[: spec.steps]]
+    # The FLOPs each step computed: padded rows x longest, packed sum(L^2), the peer's sdpa the whole row squared.
+    shape = model_shape(AutoModelForCausalLM.from_pretrained(spec.model))
+    timed = batches[: spec.steps]
+    padded = [{"slot_tokens": len(b) * int(lengths[b].max()), "attn_cost": len(b) * int(lengths[b].max()) ** 2}
+              for b in timed]  # fmt: skip
+    packed_counts = [{"slot_tokens": int(lengths[b].sum()), "attn_cost": int((lengths[b] ** 2).sum())} for b in timed]
+    flat = [{"slot_tokens": int(lengths[b].sum()), "attn_cost": int(lengths[b].sum()) ** 2} for b in timed]
+    for name, counts in (("padding", padded), ("minibatch_packing", packed_counts), ("hf_trainer", flat)):
+        assert first[name]["work"] == pytest.approx([hardware_flops(shape, c) for c in counts]), name
     # Same batches, same initial weights, same optimizer: the same losses (attention kernels differ in rounding).
     packed = first["minibatch_packing"]
     np.testing.assert_allclose(first["padding"]["loss"], packed["loss"], rtol=1e-5)
@@ -101,13 +119,22 @@ def test_table_arithmetic(bench):
         w = run["warmup_steps"]
         return sum(run["real_tokens"][w:]) / (run["step_end"][-1] - run["step_end"][w - 1])
 
+    def epoch_seconds(run):
+        w = run["warmup_steps"]
+        return (run["step_end"][-1] - run["step_end"][w - 1]) * run["epoch_work"] / sum(run["work"][w:])
+
     rates = {(r["row"], r["round"]): rate(r) for r in runs}
+    seconds = {(r["row"], r["round"]): epoch_seconds(r) for r in runs}
     for row in payload["table"]:
-        mine = [rates[(row["row"], k)] for k in range(row["rounds"])]
-        assert row["effective_tokens_per_s"] == pytest.approx(mine)
-        assert row["vs_padding"] == pytest.approx([m / rates[("padding", k)] for k, m in enumerate(mine)])
-        assert row["vs_hf_trainer"] == pytest.approx([m / rates[("hf_trainer", k)] for k, m in enumerate(mine)])
-        assert row["epoch_seconds"] == pytest.approx(row["real_tokens"] / statistics.median(mine))
+        rounds = range(row["rounds"])
+        assert row["effective_tokens_per_s"] == pytest.approx([rates[(row["row"], k)] for k in rounds])
+        epoch = [row["real_tokens"] / seconds[(row["row"], k)] for k in rounds]
+        assert row["epoch_effective_tokens_per_s"] == pytest.approx(epoch)
+        padding = [row["real_tokens"] / seconds[("padding", k)] for k in rounds]
+        peer = [row["real_tokens"] / seconds[("hf_trainer", k)] for k in rounds]
+        assert row["vs_padding"] == pytest.approx([m / p for m, p in zip(epoch, padding)])
+        assert row["vs_hf_trainer"] == pytest.approx([m / p for m, p in zip(epoch, peer)])
+        assert row["epoch_seconds"] == pytest.approx(statistics.median(seconds[(row["row"], k)] for k in rounds))
         first = next(r for r in runs if r["row"] == row["row"] and r["round"] == 0)
         assert row["train_loss"] == pytest.approx(statistics.fmean(first["loss"]))
         assert row["peak_memory_gb"] > 0
