@@ -18,7 +18,7 @@
 # Every part is capped by what is left of BUDGET seconds (default 450: the script ends within 8 minutes), and a
 # part with under 20 s left is skipped.
 #
-# RESULTS: $OUT when set (a device machine's returned folder), else runs/.
+# RESULTS: $OUT when set, else runs/.
 # Python: $PYTHON, else .venv/bin/python, else python3. lit_packing runs from the checkout (PYTHONPATH), nothing is
 # installed; it needs torch, transformers, lightning, torchmetrics, datasets, peft (and trl for the TRL row). On a
 # machine without an index, put wheels of a missing package in .whl/, e.g.:

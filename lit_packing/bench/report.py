@@ -95,6 +95,11 @@ class Report:
         names.sort(key=lambda n: order.index(n) if n in order else len(order))
         self.rows = {n: Row(n, sorted((r for r in results if r.row == n), key=lambda r: r.round)) for n in names}
 
+    @property
+    def rounds(self) -> int:
+        """Rounds that ran (fewer than asked when a run was cut short)."""
+        return max(len(row.runs) for row in self.rows.values())
+
     def baseline(self, row: Row, variant: str) -> Row | None:
         """`variant`'s row on the same model as `row`."""
         _, at, model = row.name.partition("@")
@@ -132,7 +137,7 @@ class Report:
         packed, padded, peer = rows.get(PAPER_METHOD), rows.get(BASELINE), rows.get(PEER)
         if packed and padded:
             out.append(self._speedup("mini-batch packing >= 2.0x padding (effective tokens/s)", packed, padded, 2.0))
-            # fp32 agrees to rounding; bf16 kernels round differently, and a few steps carry that into the weights.
+            # fp32 agrees to rounding; bf16 kernels round differently, and a few steps take that into the weights.
             tolerance = 1e-5 if self.settings["precision"] in ("32-true", "32", "64-true") else 5e-3
             rel = abs(packed.first.val_loss - padded.first.val_loss) / abs(padded.first.val_loss)
             target = f"val loss of mini-batch packing == padding's within {tolerance:g} relative"
@@ -177,9 +182,9 @@ class Report:
             f"{s['batch_size']} examples per mini-batch step, {s['max_tokens']:,}-token budget for best fit / "
             f"multipack / TRL bfd, {s['rows_per_step']} rows of {s['max_length']:,} for fixed-length; model: "
             f"SmolLM2-135M's architecture with {s['model_config']} (random init), {s['precision']}; "
-            f"{s['warmup_steps']} warm-up + {s['steps']} timed steps per run, {s['rounds']} interleaved rounds "
+            f"{s['warmup_steps']} warm-up + {s['steps']} timed steps per run, {self.rounds} interleaved rounds "
             "(median (min–max) over rounds; ratios within a round). Effective tokens/s counts real tokens; the "
-            "epoch columns carry the timed steps' seconds per FLOP over to the epoch's mix of examples, which the "
+            "epoch columns apply the timed steps' seconds per FLOP to the epoch's mix of examples, which the "
             "ratios compare (rows whose timed steps hold other examples than the epoch's average stay comparable).",
             "",
             "| variant | optimizer steps / epoch | real tokens | slot tokens | padding ratio | effective tokens/s, "
@@ -234,13 +239,13 @@ class Report:
         left.set_yticks(range(len(rows)), [r.label for r in rows], fontsize=8)
         left.invert_yaxis()
         left.set(title="effective (real) tokens/s over an epoch, median and range over rounds", xlabel="tokens/s")
-        for r in rows:
+        for r in (r for r in rows if "@" not in r.name):  # the pretrained rows' losses are on another scale
             seen, total = [], 0
             for tokens in r.first.real_tokens:
                 total += tokens
                 seen.append(total)
             right.plot(seen, r.first.loss, "-o", markersize=3, label=r.label)
-        right.set(title="train loss per optimizer step", xlabel="real tokens trained", ylabel="token-mean loss")
+        right.set(title="train loss per optimizer step (random init)", xlabel="real tokens trained", ylabel="loss")
         right.legend(fontsize=7)
         for ax in (left, right):
             ax.grid(alpha=0.3)
