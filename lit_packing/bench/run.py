@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> Report:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("benchmark", total=len(runs))
-        for spec in runs:
+        for k, spec in enumerate(runs):
             progress.update(task, description=f"round {spec.round + 1}/{settings.rounds}: {spec.row}")
             result = run_isolated(spec, logs)
             results.append(result)
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> Report:
                 f"loss {result.loss[-1]:.4f}  val {result.val_loss:.4f}  peak {result.peak_memory_gb:.2f} GiB"
             )
             progress.advance(task)
-            if spec is runs[-1] or runs[runs.index(spec) + 1].round != spec.round:
+            if k == len(runs) - 1 or runs[k + 1].round != spec.round:
                 report = Report(results, asdict(replace(settings, out=str(settings.out))), environment(settings))
                 report.write(settings.out)  # after every round: a run cut short keeps the rounds it finished
     console.print(report.markdown())
