@@ -37,7 +37,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 inspect: setup
-	$(PY) -m lit_packing.inspect --config configs/quickstart.yaml
+	$(PY) -m lit_packing.packing_report --config configs/quickstart.yaml
 
 bench: setup
 	$(PY) -m lit_packing.bench

@@ -50,7 +50,7 @@ def make_batches(args, vocab: int):
 
 
 def available_modes(device: torch.device, wanted: list[str] | None) -> list[str]:
-    modes = ["padding", "packed/cpu_varlen", "packed/sdpa_mask"]
+    modes = ["padding", "packed/per_example", "packed/sdpa_mask"]
     if torch_varlen_available(device):
         modes.insert(1, "packed/torch_varlen")
     if device.type == "cuda" and flash_attn_installed():

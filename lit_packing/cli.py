@@ -127,7 +127,7 @@ class PackingCLI(LightningCLI):
         parser.add_lightning_class_args(TokenThroughputMonitor, "throughput_monitor")
         parser.add_lightning_class_args(ValidationSchedule, "validation_schedule")
         # One name chooses the model and its tokenizer; what the tokenizer turns out to be crosses at run time.
-        parser.link_arguments("model.model", "data.tokenizer")
+        parser.link_arguments("model.name_or_path", "data.tokenizer")
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
 
     def after_fit(self) -> None:

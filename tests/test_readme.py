@@ -9,7 +9,7 @@ checkpoint an earlier `fit` wrote):
   README shows. Commands that need a GPU or the Hub (`configs/gpu.yaml`, a Hub model name) and the `main.py`
   command inside a multi-node launcher (`torchrun`, `srun`) are checked for parse errors only (`--print_config`):
   this suite runs on CPU without network.
-- `python -m lit_packing.inspect ...`: run as written. `python -m lit_packing.bench ...`: its settings parsed and
+- `python -m lit_packing.packing_report ...`: run as written. `python -m lit_packing.bench ...`: its settings parsed and
   checked (the benchmark itself runs, smoke-sized, in tests/bench/).
 - `python benchmarks/*.py ...`: `--help`, and every option the README passes must be one the script accepts.
 - `bash benchmarks/*.sh`: `bash -n` (syntax; the script needs a GPU). `make <target>`: `make -n` (the target exists;
@@ -97,7 +97,7 @@ def main_py_args(words: list[str]) -> tuple[list[str], bool]:
     if "configs/gpu.yaml" in joined:  # a GPU (and here a Hub model): parse errors only
         return [*args, "--print_config"], True
     extra = [f"--model.model_config={json.dumps(TINY)}"]
-    if "--model.model=" in joined:  # a local folder the README wrote (an export): its own weights
+    if "--model.name_or_path=" in joined:  # a local folder the README wrote (an export): its own weights
         extra = []
     if "HFDataset" not in joined:  # the own-data example runs as written, on its 30 chats
         extra += SHORT
@@ -125,8 +125,8 @@ def test_readme_command_runs(words, scratch, monkeypatch, capsys):
         with pytest.raises(SystemExit) as exit_info:
             cli_main(args)
         assert exit_info.value.code in (0, None), f"{command}: {capsys.readouterr().err[-2000:]}"
-    elif words[:3] == ["python", "-m", "lit_packing.inspect"]:
-        from lit_packing.inspect import main
+    elif words[:3] == ["python", "-m", "lit_packing.packing_report"]:
+        from lit_packing.packing_report import main
 
         assert main(words[3:])
     elif words[:3] == ["python", "-m", "lit_packing.bench"]:

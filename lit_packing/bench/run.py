@@ -59,7 +59,7 @@ class BenchSettings:
         seed: data split, shuffling and initial weights.
         accelerator: cpu or cuda.
         precision: Lightning precision, e.g. 32-true (CPU) or bf16-mixed (GPU; the peers get bf16=True).
-        attn_backend: lit_packing's packed attention (auto: flash_attn > torch_varlen on GPU, cpu_varlen on CPU).
+        attn_backend: lit_packing's packed attention (auto: flash_attn > torch_varlen on GPU, per_example on CPU).
         out: folder for bench.md / bench.json / bench.png, the per-run logs and the initial weights.
         smoke: a wiring check in a minute or two: a 2-layer, 64-wide model, 48 short examples, 2 rounds of 1+2 steps.
     """

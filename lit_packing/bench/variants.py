@@ -104,7 +104,7 @@ class RunSpec:
             ],
         }
         return [
-            f"--model.model={self.model}", f"--model.lr={self.lr}", "--model.weight_decay=0",
+            f"--model.name_or_path={self.model}", f"--model.lr={self.lr}", "--model.weight_decay=0",
             "--model.warmup_steps=0", "--model.scheduler=constant", f"--model.attn_backend={self.attn_backend}",
             f"--model.gradient_checkpointing={str(self.gradient_checkpointing).lower()}",
             f"--data.limit={self.examples}", f"--data.val_split={self.val_examples}",

@@ -27,7 +27,7 @@ from lit_packing.batch import COUNTS, IGNORE_INDEX, INPUT_IDS, LABELS, hardware_
 from lit_packing.bench.variants import CONFIGS, VARIANTS, RunResult, RunSpec
 from lit_packing.callbacks.throughput import model_shape, peak_memory_gb
 from lit_packing.cli import PackingCLI, cli_main
-from lit_packing.inspect import configured_stats
+from lit_packing.packing_report import configured_stats
 
 CLEAR_REFS, STATUS = "/proc/self/clear_refs", "/proc/self/status"
 
@@ -138,7 +138,7 @@ def run_peer(spec: RunSpec, result: RunResult) -> None:
     data.setup("fit")
     path = resolve_pretrained(spec.model)  # `smollm2`: the packaged model's converted folder
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
-    cli.model.model = model  # one copy in memory; validation later scores these weights with our attention
+    cli.model.name_or_path = model  # one copy in memory; validation later scores these weights with our attention
     shape = model_shape(model)
     clock_losses: list[torch.Tensor] = []
 

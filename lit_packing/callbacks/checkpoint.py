@@ -5,7 +5,7 @@
 Lightning's default keeps a checkpoint per run under each logger's run folder (`runs/<project>/<id>/checkpoints`),
 so every fit that validates adds model + optimizer state (1.6 GB for SmolLM2-135M in fp32 with AdamW). Here
 each save replaces the one before; with LoRA only the trainable (adapter) weights and their optimizer state are
-written, the frozen base model is rebuilt from `model.model` when resuming.
+written, the frozen base model is rebuilt from `model.name_or_path` when resuming.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ A packed batch is one row of T tokens holding n examples; `cu_seq_lens_q = [0, L
 Backends (all exact; registered under the names in `HF_NAMES`):
     flash_attn    `flash_attn_varlen_func` from the flash-attn package (CUDA; `pip install -e ".[flash]"`)
     torch_varlen  `torch.nn.attention.varlen.varlen_attn`, PyTorch's built-in FlashAttention-2 (CUDA, torch >= 2.10)
-    cpu_varlen    per-example SDPA on any device, one batched call per distinct length: cost sum(L^2), not T^2
+    per_example    per-example SDPA on any device, one batched call per distinct length: cost sum(L^2), not T^2
     sdpa_mask     SDPA with a dense (T, T) block-diagonal causal mask: the slow reference
 
 Each implementation is also registered in `AttentionMaskInterface`: it returns no mask for packed rows (so
@@ -40,13 +40,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 log = logging.getLogger(__name__)
 
-AttnBackend = Literal["auto", "flash_attn", "torch_varlen", "cpu_varlen", "sdpa_mask"]
-BACKENDS = ("flash_attn", "torch_varlen", "cpu_varlen", "sdpa_mask")
+AttnBackend = Literal["auto", "flash_attn", "torch_varlen", "per_example", "sdpa_mask"]
+BACKENDS = ("flash_attn", "torch_varlen", "per_example", "sdpa_mask")
 # Names inside transformers: none contains "flash" or "sdpa", which transformers reads as its own integrations.
 HF_NAMES = {
     "flash_attn": "packed_fa2",
     "torch_varlen": "packed_torch_varlen",
-    "cpu_varlen": "packed_cpu_varlen",
+    "per_example": "packed_per_example",
     "sdpa_mask": "packed_dense_mask",
 }
 
@@ -73,7 +73,7 @@ def torch_varlen_available(device: torch.device | str) -> bool:
 
 
 def resolve_backend(backend: AttnBackend, device: torch.device | str) -> str:
-    """Turn `auto` into the fastest backend for `device` (flash_attn > torch_varlen > cpu_varlen); check others.
+    """Turn `auto` into the fastest backend for `device` (flash_attn > torch_varlen > per_example); check others.
 
     Raises:
         ValueError: the backend cannot run on this device or is not installed; the message names the fix.
@@ -85,14 +85,14 @@ def resolve_backend(backend: AttnBackend, device: torch.device | str) -> str:
             return "flash_attn"
         if torch_varlen_available(device):
             return "torch_varlen"
-        return "cpu_varlen"
+        return "per_example"
     if backend not in BACKENDS:
         raise ValueError(f"unknown attn_backend={backend!r}: choose one of auto, {', '.join(BACKENDS)}")
     if backend == "flash_attn":
         if not cuda:
             raise ValueError(
                 f"attn_backend=flash_attn needs a CUDA GPU, and this run is on {device}: set "
-                "model.attn_backend=auto (picks cpu_varlen here) or model.attn_backend=cpu_varlen"
+                "model.attn_backend=auto (picks per_example here) or model.attn_backend=per_example"
             )
         if not flash_attn_installed():
             raise ValueError(
@@ -103,13 +103,13 @@ def resolve_backend(backend: AttnBackend, device: torch.device | str) -> str:
     if backend == "torch_varlen" and not torch_varlen_available(device):
         raise ValueError(
             f"attn_backend=torch_varlen needs torch >= 2.10 and a CUDA GPU with compute capability >= 8.0 "
-            f"(device {device}, torch {torch.__version__}): set attn_backend=auto or cpu_varlen"
+            f"(device {device}, torch {torch.__version__}): set attn_backend=auto or per_example"
         )
     return backend
 
 
 def available_backends(device: torch.device | str) -> list[str]:
-    """The backends that can run on `device` here, fastest first (e.g. `["cpu_varlen", "sdpa_mask"]` on a CPU)."""
+    """The backends that can run on `device` here, fastest first (e.g. `["per_example", "sdpa_mask"]` on a CPU)."""
     usable = []
     for backend in BACKENDS:
         try:
@@ -133,7 +133,7 @@ def register_backends() -> None:
     kernels = {
         "flash_attn": _flash_attn_varlen,
         "torch_varlen": _torch_varlen,
-        "cpu_varlen": _cpu_varlen,
+        "per_example": _per_example,
         "sdpa_mask": _sdpa_block_mask,
     }
     for backend, name in HF_NAMES.items():
@@ -267,7 +267,7 @@ def reset_kernel_dtype() -> None:
 def _warn_cast(kernel: str, dtype: torch.dtype) -> None:
     log.warning(
         "attn_backend=%s computes in bfloat16 only: the %s activations are cast to bfloat16 for attention (and back). "
-        "Train with trainer.precision=bf16-mixed, or use attn_backend=cpu_varlen / sdpa_mask for %s attention",
+        "Train with trainer.precision=bf16-mixed, or use attn_backend=per_example / sdpa_mask for %s attention",
         kernel,
         str(dtype).removeprefix("torch."),
         str(dtype).removeprefix("torch."),
@@ -328,10 +328,10 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, s
     if dropout > 0:
         raise NotImplementedError(
             "torch_varlen has no attention dropout: set the model's attention_dropout to 0 or use attn_backend="
-            "flash_attn / cpu_varlen"
+            "flash_attn / per_example"
         )
     if softcap is not None:
-        raise NotImplementedError("torch_varlen has no softcap (Gemma 2/3): use attn_backend=flash_attn or cpu_varlen")
+        raise NotImplementedError("torch_varlen has no softcap (Gemma 2/3): use attn_backend=flash_attn or per_example")
     kwargs = {}
     if "scale" in params:
         kwargs["scale"] = scale
@@ -364,7 +364,7 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, s
 
 def _same_boundaries(cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:
     if cu_k is not cu_q and not torch.equal(cu_q, cu_k):
-        raise NotImplementedError("cpu_varlen and sdpa_mask need cu_seq_lens_q == cu_seq_lens_k (self-attention)")
+        raise NotImplementedError("per_example and sdpa_mask need cu_seq_lens_q == cu_seq_lens_k (self-attention)")
 
 
 def _attend(q, k, v, *, causal, scale, window, softcap, dropout, mask=None) -> torch.Tensor:
@@ -426,7 +426,7 @@ def _length_groups(cu: torch.Tensor) -> tuple[list[tuple[int, list[int], torch.T
     return _memo(_PLAN_CACHE, cu, "groups", build)
 
 
-def _cpu_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout):
+def _per_example(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout):
     """Exact per-example attention on any device: one SDPA call per distinct example length, cost sum(L^2)."""
     _same_boundaries(cu_q, cu_k)
     groups, inverse = _length_groups(cu_q)

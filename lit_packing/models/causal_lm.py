@@ -1,6 +1,6 @@
 """`PackedCausalLM`: a LightningModule that fine-tunes a transformers causal LM on packed (or padded) batches.
 
-    lm = PackedCausalLM(model="smollm2", attn_backend="auto", lr=2e-5)
+    lm = PackedCausalLM(name_or_path="smollm2", attn_backend="auto", lr=2e-5)
     Trainer(precision="bf16-mixed", accumulate_grad_batches=4).fit(lm, datamodule=dm)
 
 What it adds to a plain `AutoModelForCausalLM`:
@@ -68,11 +68,12 @@ class PackedCausalLM(LightningModule):
     """Fine-tune a transformers causal LM on packed batches with an exact varlen attention backend.
 
     Args:
-        model: `smollm2` (the packaged SmolLM2-135M-Instruct), a local folder or a Hub name.
+        name_or_path: `smollm2` (the packaged SmolLM2-135M-Instruct), a local folder or a Hub name; it also
+            chooses the tokenizer (`data.tokenizer` is linked to it). `self.model` is the loaded `nn.Module`.
         model_config: random init from these config kwargs (with `model_type`) instead of loading `model`.
         vocab_size: the tokenizer's size (linked from the data module); see `load_causal_lm`.
         dtype: parameter dtype; leave unset (float32) with `precision=bf16-mixed`.
-        attn_backend: auto | flash_attn | torch_varlen | cpu_varlen | sdpa_mask (see `attention.py`).
+        attn_backend: auto | flash_attn | torch_varlen | per_example | sdpa_mask (see `attention.py`).
         loss_normalization: `token`: one mean over all label tokens of the optimizer step (all micro-batches,
             all ranks); `sequence`: the mean over examples of each example's token mean (LongAlign).
         isolation_check: run the packed-vs-per-example self-test on the first packed training batch.
@@ -101,7 +102,7 @@ class PackedCausalLM(LightningModule):
 
     def __init__(
         self,
-        model: str = "smollm2",
+        name_or_path: str = "smollm2",
         model_config: dict | None = None,
         vocab_size: int | None = None,
         dtype: DType | None = None,
@@ -132,10 +133,10 @@ class PackedCausalLM(LightningModule):
         # Until the trainer says which device we run on, guess; `setup` resolves again for the real device.
         guess = "cuda" if torch.cuda.is_available() else "cpu"
         _backend_here(attn_backend, guess)  # a backend no device here can run fails before the model loads
-        portable = attn_backend if attn_backend in ("cpu_varlen", "sdpa_mask") else "auto"
+        portable = attn_backend if attn_backend in ("per_example", "sdpa_mask") else "auto"
         self.attn_backend: str = resolve_backend(portable, guess)  # the backend in use (`auto` resolved)
         self.model = load_causal_lm(
-            model, model_config, vocab_size, dtype, attn_implementation(self.attn_backend), resize_embeddings
+            name_or_path, model_config, vocab_size, dtype, attn_implementation(self.attn_backend), resize_embeddings
         )
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -193,7 +194,7 @@ class PackedCausalLM(LightningModule):
         if low < 0 or high >= rows:
             raise DataError(
                 f"the tokenized data holds token ids {low:,}..{high:,} but the model has {rows:,} embedding rows: "
-                f"data.tokenizer does not match model.model (use the model's own tokenizer, or "
+                f"data.tokenizer does not match model.name_or_path (use the model's own tokenizer, or "
                 f"model.resize_embeddings=true), or the tokenized cache was altered (delete it under data.cache_dir)"
             )
 
@@ -404,7 +405,7 @@ class PackedCausalLM(LightningModule):
 
                 from lit_packing.assets import resolve_pretrained
 
-                tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained(self.hparams.model, with_model=False))
+                tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained(self.hparams.name_or_path, with_model=False))
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
         _apply_umask(path)

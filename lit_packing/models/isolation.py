@@ -2,7 +2,7 @@
 the real model and backend before the first training step.
 
     check_packed_batch(batch)                       # every batch, on the host, before the transfer
-    check_isolation(model, batch, "cpu_varlen")     # once: packed forward == forward of each example alone
+    check_isolation(model, batch, "per_example")     # once: packed forward == forward of each example alone
 
 The failures they catch are silent otherwise: a 2D attention_mask that makes transformers drop
 packed isolation (transformers#46634), position ids that run on across examples, a backend that ignores

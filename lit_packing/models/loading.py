@@ -1,6 +1,6 @@
 """Build the transformers model a `PackedCausalLM` trains: pretrained or random from a config, LoRA optional.
 
-model = load_causal_lm("smollm2", attn_implementation="packed_cpu_varlen")
+model = load_causal_lm("smollm2", attn_implementation="packed_per_example")
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def check_packing_support(lm: PreTrainedModel) -> None:
     can_set = getattr(type(lm), "_can_set_attn_implementation", None)  # transformers >= 4.56
     if can_set is not None and not can_set():
         raise ConfigError(
-            "model.model",
+            "model.name_or_path",
             f"{type(lm).__name__} ({lm.config.model_type}) does not route attention through transformers' "
             "AttentionInterface, so packed examples cannot be kept apart",
             "choose a model that does (Llama, Qwen2/3, Mistral, Phi-3, Gemma, GPT-NeoX, GPT-2, ...)",

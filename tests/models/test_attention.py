@@ -20,7 +20,7 @@ from lit_packing.models.loss import token_losses
 
 # Two examples of equal length (one batched call), a 1-token example, prompts masked with -100.
 LENGTHS = [7, 3, 12, 7, 1, 5]
-CPU_BACKENDS = ["cpu_varlen", "sdpa_mask"]
+CPU_BACKENDS = ["per_example", "sdpa_mask"]
 MODEL_KEYS = (INPUT_IDS, POSITION_IDS, *PACKED_KEYS[:4])  # what the model reads of a packed batch
 
 
@@ -152,12 +152,12 @@ EXTRA_FAMILIES = {
 
 
 @pytest.mark.parametrize("family", sorted(EXTRA_FAMILIES))
-def test_cpu_varlen_other_families(family):
+def test_per_example_other_families(family):
     model = tiny_model(EXTRA_FAMILIES[family], attn="eager").eval()
     examples = make_examples([9, 3, 12, 9])
     with torch.no_grad():
         ref = torch.cat([model(input_ids=torch.tensor([e["input_ids"]]), use_cache=False).logits[0] for e in examples])
-        model.set_attn_implementation(attn_implementation("cpu_varlen"))
+        model.set_attn_implementation(attn_implementation("per_example"))
         batch = PackedCollator()(examples)
         out = model(**{k: batch[k] for k in MODEL_KEYS}, use_cache=False).logits[0]
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
@@ -170,7 +170,7 @@ def test_padded_batch_through_backend_equals_sdpa(tiny_llama_config):
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     with torch.no_grad():
         ref = model(**inputs, use_cache=False).logits
-        model.set_attn_implementation(attn_implementation("cpu_varlen"))
+        model.set_attn_implementation(attn_implementation("per_example"))
         out = model(**inputs, use_cache=False).logits
     real = batch["attention_mask"].bool()
     torch.testing.assert_close(out[real], ref[real], atol=1e-5, rtol=1e-5)
@@ -183,7 +183,7 @@ def test_without_cu_seq_lens_boundaries_come_from_position_ids(tiny_llama_config
     batch = PackedCollator()(examples)
     with torch.no_grad():
         ref = model(**{k: batch[k] for k in MODEL_KEYS}, use_cache=False).logits
-        model.set_attn_implementation(attn_implementation("cpu_varlen"))
+        model.set_attn_implementation(attn_implementation("per_example"))
         out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -194,10 +194,10 @@ def test_boundaries_from_positions():
     assert boundaries_from_positions(None, 2, 4, torch.device("cpu")).tolist() == [0, 4, 8]
 
 
-def test_cpu_varlen_one_call_per_distinct_length(tiny_llama_config, monkeypatch):
+def test_per_example_one_call_per_distinct_length(tiny_llama_config, monkeypatch):
     """150 examples of 2 distinct lengths -> 2 SDPA calls per layer, not 150."""
     model = tiny_model(tiny_llama_config).eval()
-    model.set_attn_implementation(attn_implementation("cpu_varlen"))
+    model.set_attn_implementation(attn_implementation("per_example"))
     batch = PackedCollator()(make_examples([4] * 100 + [3] * 50))
     calls, sdpa = [], F.scaled_dot_product_attention
 
@@ -213,8 +213,8 @@ def test_cpu_varlen_one_call_per_distinct_length(tiny_llama_config, monkeypatch)
     assert sorted(shape[0] for shape in calls[:2]) == [50, 100]  # examples batched per call
 
 
-def test_auto_picks_cpu_varlen_without_gpu():
-    assert resolve_backend("auto", "cpu") == "cpu_varlen"
+def test_auto_picks_per_example_without_gpu():
+    assert resolve_backend("auto", "cpu") == "per_example"
     assert resolve_backend("sdpa_mask", "cpu") == "sdpa_mask"
     with pytest.raises(ValueError, match="attn_backend=auto"):
         resolve_backend("torch_varlen", "cpu")
@@ -318,31 +318,31 @@ def test_gpu_model_packed_matches_fp32_per_example(tiny_llama_config, backend):
 def test_flash_attn_on_a_cpu_names_backends_that_work_here():
     from lit_packing.models.attention import resolve_backend
 
-    with pytest.raises(ValueError, match=r"model\.attn_backend=auto .*cpu_varlen") as error:
+    with pytest.raises(ValueError, match=r"model\.attn_backend=auto .*per_example") as error:
         resolve_backend("flash_attn", "cpu")
     assert "pip install" not in str(error.value)  # installing cannot help without a GPU
 
 
-def _bf16_cpu_varlen(q, k, v, *args, **kwargs):
+def _bf16_per_example(q, k, v, *args, **kwargs):
     """The exact CPU kernel run the way the GPU kernels run fp32 activations: cast to bf16 by `_half`."""
-    out = attention._cpu_varlen(*(attention._half(x, "bf16_cpu_varlen") for x in (q, k, v)), *args, **kwargs)
+    out = attention._per_example(*(attention._half(x, "bf16_per_example") for x in (q, k, v)), *args, **kwargs)
     return out.to(q.dtype)
 
 
 def test_low_precision_kernel_warns_once_and_sets_the_self_test_tolerance(tiny_llama_config, caplog):
     """A kernel that casts fp32 activations says so once, naming the dtype; the isolation self-test then judges
     by the dtype the kernel ran in (bf16), not the model's fp32, so a correct run passes."""
-    AttentionInterface.register("bf16_cpu_varlen", attention._attention_forward(_bf16_cpu_varlen))
-    AttentionMaskInterface.register("bf16_cpu_varlen", attention._padding_only_mask)
-    model = tiny_model(tiny_llama_config, attn="bf16_cpu_varlen")
+    AttentionInterface.register("bf16_per_example", attention._attention_forward(_bf16_per_example))
+    AttentionMaskInterface.register("bf16_per_example", attention._padding_only_mask)
+    model = tiny_model(tiny_llama_config, attn="bf16_per_example")
     batch = PackedCollator()(make_examples(LENGTHS))
     attention._warn_cast.cache_clear()
     with caplog.at_level("WARNING", logger=attention.__name__):
-        diff = check_isolation(model, batch, "bf16_cpu_varlen")
-        check_isolation(model, batch, "bf16_cpu_varlen")
+        diff = check_isolation(model, batch, "bf16_per_example")
+        check_isolation(model, batch, "bf16_per_example")
     warnings = [r for r in caplog.records if "computes in bfloat16" in r.getMessage()]
     assert len(warnings) == 1 and "float32 activations" in warnings[0].getMessage()
     assert attention.last_kernel_dtype() == torch.bfloat16
     assert diff > 1e-4  # bf16 attention differs from the fp32 reference by more than the fp32 tolerance ...
     with pytest.raises(IsolationError):  # ... which, forced, would fail this correct backend
-        check_isolation(model, batch, "bf16_cpu_varlen", rtol=1e-4)
+        check_isolation(model, batch, "bf16_per_example", rtol=1e-4)

@@ -282,7 +282,7 @@ AttentionMaskInterface.register("test_ignores_boundaries", lambda *args, **kwarg
 def test_self_test_catches_backend_that_ignores_cu_seq_lens(tiny_config):
     lm = make_lm(tiny_config)
     batch = PackedCollator()(make_examples(LENGTHS))
-    assert check_isolation(lm.model, batch, "cpu_varlen") < 1e-4
+    assert check_isolation(lm.model, batch, "per_example") < 1e-4
     lm.model.set_attn_implementation("test_ignores_boundaries")
     with pytest.raises(IsolationError, match=r"attn_backend=broken.*max abs"):
         check_isolation(lm.model, batch, "broken")
@@ -382,7 +382,7 @@ def test_export_full_model_reloads(tiny_llama_config, tmp_path):
 def test_pretrained_model_starts_in_train_mode(tiny_llama_config, tmp_path):
     # from_pretrained hands back eval mode; training must not silently run with dropout off.
     make_lm(tiny_llama_config).model.save_pretrained(tmp_path)
-    lm = PackedCausalLM(model=str(tmp_path))
+    lm = PackedCausalLM(name_or_path=str(tmp_path))
     assert all(module.training for module in lm.model.modules())
 
 
@@ -395,8 +395,8 @@ def test_model_without_attention_interface_is_refused_at_start():
 def test_pretrained_vocab_mismatch_is_a_clear_error(tiny_llama_config, tmp_path):
     make_lm(tiny_llama_config).model.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="resize_embeddings"):
-        PackedCausalLM(model=str(tmp_path), vocab_size=60_000)
-    lm = PackedCausalLM(model=str(tmp_path), vocab_size=60_000, resize_embeddings=True)
+        PackedCausalLM(name_or_path=str(tmp_path), vocab_size=60_000)
+    lm = PackedCausalLM(name_or_path=str(tmp_path), vocab_size=60_000, resize_embeddings=True)
     assert lm.model.get_input_embeddings().weight.shape[0] >= 60_000
 
 
@@ -475,12 +475,12 @@ def test_ddp_two_ranks_with_accumulation_gives_the_global_token_mean(tiny_llama_
 
 @pytest.mark.slow
 def test_real_smollm2_packed_equals_per_example(smollm2_tokenizer):
-    """The packaged SmolLM2-135M (30 layers, GQA 9/3): packed cpu_varlen logits == each chat alone, in fp32."""
-    lm = PackedCausalLM(model="smollm2", vocab_size=len(smollm2_tokenizer))
+    """The packaged SmolLM2-135M (30 layers, GQA 9/3): packed per_example logits == each chat alone, in fp32."""
+    lm = PackedCausalLM(name_or_path="smollm2", vocab_size=len(smollm2_tokenizer))
     chats = ["What is 2 + 2?", "Prove that the square root of 2 is irrational.", "Hi", "Factor x^2 - 5x + 6."]
     examples = [{"input_ids": ids, "labels": ids} for ids in smollm2_tokenizer(chats)["input_ids"]]
     diff = check_isolation(lm.model, PackedCollator()(examples), lm.attn_backend)
-    assert lm.attn_backend == "cpu_varlen" and diff < 1e-3
+    assert lm.attn_backend == "per_example" and diff < 1e-3
 
 
 @pytest.mark.cuda

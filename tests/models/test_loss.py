@@ -22,7 +22,7 @@ LENGTHS = [9, 4, 15, 6, 6, 11, 2, 8]
 
 def make_lm(config: dict, **kwargs) -> PackedCausalLM:
     torch.manual_seed(0)
-    return PackedCausalLM(model_config=config, attn_backend="cpu_varlen", **kwargs)
+    return PackedCausalLM(model_config=config, attn_backend="per_example", **kwargs)
 
 
 def loss_and_grads(lm: PackedCausalLM, outputs, batch, normalization: str):

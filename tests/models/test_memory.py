@@ -53,7 +53,7 @@ def test_largest_padded_step_is_rows_times_longest():
 def test_activation_model_extrapolates_to_a_longer_step(padded):
     """Fitted on 64-256 tokens, the model predicts what autograd saves at 768 tokens within 5%."""
     torch.manual_seed(0)
-    lm = PackedCausalLM(model_config=dict(TINY_CONFIGS["llama"], vocab_size=1000), attn_backend="cpu_varlen")
+    lm = PackedCausalLM(model_config=dict(TINY_CONFIGS["llama"], vocab_size=1000), attn_backend="per_example")
     a, b, c = activation_model(lm, padded)
     measured = saved_activation_bytes(lm, 768, padded)
     assert a + b * 768 + c * 768**2 == pytest.approx(measured, rel=0.05)
@@ -70,7 +70,7 @@ def test_gradient_checkpointing_and_chunked_loss_shrink_the_prediction():
         "chunked+checkpointing": {"gradient_checkpointing": True},
     }.items():
         torch.manual_seed(0)
-        lm = PackedCausalLM(model_config=config, attn_backend="cpu_varlen", **kwargs)
+        lm = PackedCausalLM(model_config=config, attn_backend="per_example", **kwargs)
         predicted[name] = estimate_step_memory(lm, step, "32-true")
     assert predicted["full"].logits == 8192 * 32000 * 16
     assert predicted["chunked"].logits == 1024 * 32000 * 16

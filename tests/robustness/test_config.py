@@ -70,10 +70,10 @@ def test_model_settings_are_checked_before_the_model_loads(kwargs, message):
     if "attn_backend" in kwargs and torch.cuda.is_available():
         pytest.skip("a CUDA machine may run this backend")
     with pytest.raises(ConfigError) as error:
-        PackedCausalLM(model=UNLOADABLE, **kwargs)
+        PackedCausalLM(name_or_path=UNLOADABLE, **kwargs)
     assert str(error.value).startswith(message)
     if "attn_backend" in kwargs:
-        assert str(error.value).endswith("on cpu these run: auto, cpu_varlen, sdpa_mask")
+        assert str(error.value).endswith("on cpu these run: auto, per_example, sdpa_mask")
 
 
 def test_cli_stops_before_tokenizing_and_exits_2(tmp_path, capsys):
@@ -98,7 +98,7 @@ def test_a_linked_value_that_overwrites_the_users_says_so(tiny_llama_config, cap
 
 def test_a_model_that_cannot_isolate_packed_examples_names_the_setting():
     bloom = dict(model_type="bloom", vocab_size=1000, hidden_size=64, n_layer=2, n_head=4)
-    with pytest.raises(ConfigError, match=r"^model.model: BloomForCausalLM \(bloom\) does not route attention"):
+    with pytest.raises(ConfigError, match=r"^model.name_or_path: BloomForCausalLM \(bloom\) does not route attention"):
         PackedCausalLM(model_config=bloom)
 
 

@@ -212,7 +212,7 @@ def test_fit_passes_the_models_coefficients_and_accumulation(tiny_llama_config, 
     """In a real fit the data module hands the attached model's FLOP coefficients and the trainer's accumulation
     to the sampler, unless the config sets the coefficients."""
     dm = multipack_data(str(tmp_path / "data"))
-    lm = PackedCausalLM(model_config=tiny_llama_config, attn_backend="cpu_varlen", isolation_check=False)
+    lm = PackedCausalLM(model_config=tiny_llama_config, attn_backend="per_example", isolation_check=False)
     trainer = Trainer(
         accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=2, limit_val_batches=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -1,6 +1,6 @@
 """Packing report: how your configured run and each other sampler would batch your dataset, before training.
 
-    python -m lit_packing.inspect --config configs/quickstart.yaml [--data.sampler.init_args.max_tokens=8192 ...]
+    python -m lit_packing.packing_report --config configs/quickstart.yaml [--data.sampler.init_args.max_tokens=8192 ...]
 
 The data module is the one `python main.py fit --config ... <overrides>` builds: the same LightningCLI parser,
 links and overrides (any `--data.*`, `--model.*` or `--trainer.*` argument is passed through), the model and trainer

@@ -10,7 +10,7 @@ import pytest
 
 from lit_packing.callbacks import TokenThroughputMonitor
 from lit_packing.cli import cli_main
-from lit_packing.inspect import STRAGGLER_RANKS, configured_data, main, plan_stats, straggler_rows
+from lit_packing.packing_report import STRAGGLER_RANKS, configured_data, main, plan_stats, straggler_rows
 from lit_packing.samplers import BestFitPackingSampler, PackPlan
 from tests.cli.test_configs import TINY
 
