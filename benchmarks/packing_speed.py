@@ -78,7 +78,7 @@ def time_sampler(cls, lengths: np.ndarray, max_tokens: int, repeats: int, **kwar
 
 def straggler_factors(lengths: np.ndarray, max_tokens: int, world_size: int) -> tuple[float, float]:
     """Round-robin best fit vs multipack, costed with SmolLM2-135M's training FLOPs."""
-    from lit_packing.batch import SMOLLM2_135M_SHAPE, flop_coefficients
+    from lit_packing.cost import SMOLLM2_135M_SHAPE, flop_coefficients
     from lit_packing.samplers import BestFitPackingSampler, MultipackSampler, pack_costs, straggler_factor
 
     coefficients = flop_coefficients(SMOLLM2_135M_SHAPE)
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-cold-jit", action="store_true", help="skip measuring the compile with an empty cache")
     args = parser.parse_args(argv)
 
-    from lit_packing.batch import SMOLLM2_135M_SHAPE, flop_coefficients
+    from lit_packing.cost import SMOLLM2_135M_SHAPE, flop_coefficients
     from lit_packing.samplers import (
         BestFitPackingSampler,
         FixedLengthPackingSampler,

@@ -1,21 +1,16 @@
-"""The batch format, defined once: keys, `IGNORE_INDEX`, the host-side counts and step totals, and the cost formulas
-(attention pairs, training FLOPs) that collators, loss, samplers, callbacks and the packing report share.
+"""The batch format, defined once: keys, `IGNORE_INDEX`, the host-side counts and the optimizer step's totals that
+collators, loss, samplers, callbacks and the packing report share (FLOP formulas live in `lit_packing.cost`).
 
-    from lit_packing.batch import COUNTS, IGNORE_INDEX, LABELS, attention_cost, model_flops
+    from lit_packing.batch import COUNTS, IGNORE_INDEX, LABELS, attention_cost
 
 Key names are Hugging Face's (see `lit_packing.data.collate` for the tensors a collator builds). Besides tensors,
 every batch carries host-side Python values that callbacks and the loss read without a device sync: `counts`
 (this micro-batch, `Counts`), `lengths` (each real example's length), `step` (the whole optimizer step's totals)
 and `rows` (each example's row in the source).
-
-FLOPs follow PaLM's convention: two FLOPs per multiply-add, and attention counted as QK^T and AV over every
-(query, key) pair of a sequence, causal masking not discounted (L^2 per sequence of L tokens; a sliding window of
-w caps the keys: L * min(L, w)).
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any, TypedDict
 
@@ -41,12 +36,6 @@ INDEX = "index"  # an example's row in the source dataset (a column of the token
 PACKED_KEYS = (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, SEQ_IDX)
 TRUNCATED_TOKENS = "truncated_tokens"  # an example's tokens cut by the overlong policy (a tokenized column)
 
-# FLOPs per parameter per token: forward 2; backward 2 for the input gradient + 2 for the weight gradient.
-TRAINABLE_FLOPS_PER_PARAM = 6
-FROZEN_FLOPS_PER_PARAM = 4  # a frozen weight (LoRA's base) still passes the gradient to its input
-# Per (query, key) pair per unit of attention width: QK^T and AV, 2 FLOPs each forward, backward twice forward.
-ATTENTION_FLOPS_PER_PAIR = 12
-
 
 class Counts(TypedDict):
     """Host-side counts of one micro-batch (plain Python ints: reading them never syncs a device).
@@ -63,23 +52,6 @@ class Counts(TypedDict):
     attn_cost: int
     sum_sq_lengths: int
     truncated_tokens: int
-
-
-class ModelShape(TypedDict):
-    """What training FLOPs depend on: matmul parameters (trainable, frozen), attention width, per-layer windows.
-
-    `windows` has one entry per layer: the sliding window in tokens, or None for full attention.
-    """
-
-    trainable_params: int
-    frozen_params: int
-    attn_width: int
-    windows: tuple[int | None, ...]
-
-
-# SmolLM2-135M(-Instruct), as `model_shape` reads it (tied embeddings: the LM head counts once): the default shape
-# for compute-balanced packing when no model is attached. A test checks it against the packaged model's config.
-SMOLLM2_135M_SHAPE = ModelShape(trainable_params=134_515_008, frozen_params=0, attn_width=576, windows=(None,) * 30)
 
 
 def is_packed(batch: dict[str, Any]) -> bool:
@@ -123,54 +95,6 @@ def batch_counts(
         sum_sq_lengths=attention_cost(lengths),
         truncated_tokens=int(truncated_tokens),
     )
-
-
-def flop_coefficients(shape: ModelShape) -> tuple[float, float]:
-    """Training FLOPs (forward + backward) ``a`` per token and ``b`` per attended (query, key) pair, all layers full.
-
-    ``a = 6 * trainable + 4 * frozen`` matmul parameters, ``b = 12 * layers * width``. An example of L tokens costs
-    ``a * L + b * L^2`` (multipack balances ranks with this). SmolLM2-135M: attention matches the matmuls at
-    L = a / b = 3,892 tokens.
-
-    >>> a, b = flop_coefficients(SMOLLM2_135M_SHAPE)
-    >>> f"{a:.3g} {b:.3g} {a / b:,.0f}"
-    '8.07e+08 2.07e+05 3,892'
-    >>> flop_coefficients(ModelShape(trainable_params=10, frozen_params=100, attn_width=8, windows=(None, 4)))
-    (460.0, 192.0)
-    """
-    per_token = TRAINABLE_FLOPS_PER_PARAM * shape["trainable_params"] + FROZEN_FLOPS_PER_PARAM * shape["frozen_params"]
-    return float(per_token), float(ATTENTION_FLOPS_PER_PAIR * len(shape["windows"]) * shape["attn_width"])
-
-
-def model_flops(shape: ModelShape, counts: Counts, lengths: Sequence[int]) -> float:
-    """FLOPs of the work a batch asks for: real tokens only, each layer's attention within its window.
-
-    Padding is waste, not work, so the same examples cost the same whether packed or padded (this is what
-    `train/tflops_per_sec` and `train/mfu` count).
-
-    >>> shape = ModelShape(trainable_params=1000, frozen_params=0, attn_width=8, windows=(None, 5))
-    >>> counts = batch_counts([4, 8, 5, 11], label_tokens=24, slot_tokens=44, attn_cost=4 * 11 * 11)
-    >>> model_flops(shape, counts, [4, 8, 5, 11]) == 6 * 1000 * 28 + 12 * 8 * (226 + 136)
-    True
-    """
-    per_token, _ = flop_coefficients(shape)
-    attention = sum(k * attention_cost(lengths, w) for w, k in Counter(shape["windows"]).items())
-    return per_token * counts["real_tokens"] + ATTENTION_FLOPS_PER_PAIR * shape["attn_width"] * attention
-
-
-def hardware_flops(shape: ModelShape, counts: Counts) -> float:
-    """FLOPs the device computes on a batch: every slot token, and attention over every computed row in full.
-
-    Padding and padded rows' max(L)^2 count here; windows do not (an upper bound where a kernel skips the
-    blocks outside a sliding window).
-
-    >>> shape = ModelShape(trainable_params=1000, frozen_params=0, attn_width=8, windows=(None, 5))
-    >>> counts = batch_counts([4, 8, 5, 11], label_tokens=24, slot_tokens=44, attn_cost=4 * 11 * 11)
-    >>> hardware_flops(shape, counts) == 6 * 1000 * 44 + 12 * 2 * 8 * 484
-    True
-    """
-    per_token, per_pair = flop_coefficients(shape)
-    return per_token * counts["slot_tokens"] + per_pair * counts["attn_cost"]
 
 
 class Pack(list):

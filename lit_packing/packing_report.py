@@ -26,8 +26,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from lit_packing.batch import COUNTS, SMOLLM2_135M_SHAPE, flop_coefficients
+from lit_packing.batch import COUNTS
 from lit_packing.cli import cli_main
+from lit_packing.cost import SMOLLM2_135M_SHAPE, flop_coefficients
 from lit_packing.data import PackingDataModule
 from lit_packing.samplers import (
     BestFitPackingSampler,

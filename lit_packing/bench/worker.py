@@ -23,10 +23,11 @@ import torch
 from lightning.pytorch import Callback
 
 from lit_packing.assets import resolve_pretrained
-from lit_packing.batch import COUNTS, IGNORE_INDEX, INPUT_IDS, LABELS, hardware_flops
+from lit_packing.batch import COUNTS, IGNORE_INDEX, INPUT_IDS, LABELS
 from lit_packing.bench.variants import CONFIGS, VARIANTS, RunResult, RunSpec
-from lit_packing.callbacks.throughput import model_shape, peak_memory_gb
+from lit_packing.callbacks.throughput import peak_memory_gb
 from lit_packing.cli import PackingCLI, cli_main
+from lit_packing.cost import hardware_flops, model_shape
 from lit_packing.packing_report import configured_stats
 
 CLEAR_REFS, STATUS = "/proc/self/clear_refs", "/proc/self/status"

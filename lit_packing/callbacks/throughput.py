@@ -20,7 +20,8 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from rich.console import Console
 from rich.table import Table
 
-from lit_packing.batch import COUNTS, LENGTHS, ModelShape, hardware_flops, model_flops
+from lit_packing.batch import COUNTS, LENGTHS
+from lit_packing.cost import ModelShape, hardware_flops, model_flops, model_shape
 
 _RATES = {  # logged name -> count it divides by time
     "effective_tokens_per_sec": "real_tokens",
@@ -28,44 +29,6 @@ _RATES = {  # logged name -> count it divides by time
     "slot_tokens_per_sec": "slot_tokens",
     "examples_per_sec": "examples",
 }
-
-
-def model_shape(model: torch.nn.Module) -> ModelShape:
-    """Matmul parameters (trainable, frozen), attention width and per-layer sliding windows of a Hugging Face model.
-
-    The input embedding is a lookup, not a matmul; a tied matrix still counts once (the LM head). Windows come from
-    the config's `layer_types` ("sliding_attention" layers get `sliding_window`), else `sliding_window` on every layer.
-    """
-    trainable = frozen = 0
-    for p in model.parameters():
-        if p.requires_grad:
-            trainable += p.numel()
-        else:
-            frozen += p.numel()
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if embed is not None and (output is None or output.weight is not embed.weight):
-        if embed.weight.requires_grad:
-            trainable -= embed.weight.numel()
-        else:
-            frozen -= embed.weight.numel()
-    config = model.config.get_text_config() if hasattr(model, "config") else None
-    if config is None:
-        return ModelShape(trainable_params=trainable, frozen_params=frozen, attn_width=0, windows=())
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return ModelShape(
-        trainable_params=trainable, frozen_params=frozen, attn_width=heads * head_dim, windows=_layer_windows(config)
-    )
-
-
-def _layer_windows(config: Any) -> tuple[int | None, ...]:
-    """Each layer's sliding window (None: full attention), as transformers configs spell it."""
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return tuple(window if kind == "sliding_attention" else None for kind in types)
-    return (window,) * config.num_hidden_layers
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -43,10 +43,9 @@ from lit_packing.batch import (
     POSITION_IDS,
     ROWS,
     STEP,
-    flop_coefficients,
     is_packed,
 )
-from lit_packing.callbacks.throughput import model_shape
+from lit_packing.cost import flop_coefficients, model_shape
 from lit_packing.errors import ConfigError, DataError, TrainingError, check_range
 from lit_packing.models.attention import AttnBackend, attn_implementation, available_backends, resolve_backend
 from lit_packing.models.isolation import check_isolation, check_packed_batch
@@ -405,7 +404,8 @@ class PackedCausalLM(LightningModule):
 
                 from lit_packing.assets import resolve_pretrained
 
-                tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained(self.hparams.name_or_path, with_model=False))
+                folder = resolve_pretrained(self.hparams.name_or_path, with_model=False)
+                tokenizer = AutoTokenizer.from_pretrained(folder)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
         _apply_umask(path)

@@ -18,7 +18,7 @@ from typing import Literal
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_packing.batch import SMOLLM2_135M_SHAPE, flop_coefficients
+from lit_packing.cost import SMOLLM2_135M_SHAPE, flop_coefficients
 from lit_packing.samplers import kernels
 from lit_packing.samplers.base import PackPlan, PlannedBatchSampler, check_max_tokens
 from lit_packing.samplers.best_fit import best_fit_packs

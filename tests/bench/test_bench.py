@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 from transformers import AutoModelForCausalLM
 
-from lit_packing.batch import hardware_flops
 from lit_packing.bench.run import BenchSettings, main, parse, plan_runs
 from lit_packing.bench.variants import CONFIGS, VARIANTS, RunSpec
-from lit_packing.callbacks.throughput import model_shape
+from lit_packing.cost import hardware_flops, model_shape
 from lit_packing.packing_report import configured_data
 from lit_packing.samplers import BestFitPackingSampler, FixedLengthPackingSampler, MultipackSampler
 

@@ -13,10 +13,9 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lit_packing.batch import ModelShape, hardware_flops, model_flops
 from lit_packing.callbacks import PackingMonitor, TokenThroughputMonitor
 from lit_packing.callbacks import throughput as throughput_module
-from lit_packing.callbacks.throughput import model_shape
+from lit_packing.cost import ModelShape, hardware_flops, model_flops, model_shape
 from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.models.loading import apply_lora
 from tests.conftest import TINY_CONFIGS

@@ -13,8 +13,7 @@ from lightning.pytorch import Trainer
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_packing.assets import package_file
-from lit_packing.batch import SMOLLM2_135M_SHAPE, flop_coefficients
-from lit_packing.callbacks.throughput import model_shape
+from lit_packing.cost import SMOLLM2_135M_SHAPE, flop_coefficients, model_shape
 from lit_packing.data import PackingDataModule
 from lit_packing.models import PackedCausalLM
 from lit_packing.samplers import BestFitPackingSampler, MultipackSampler, kernels, pack_costs, straggler_factor
