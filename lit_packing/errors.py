@@ -1,6 +1,6 @@
 """The toolkit's own errors: each names what is wrong, where (file and row, or the CLI setting) and the fix.
 
-    raise ConfigError("data.max_length", "must be >= 2, got 1", "raise it")   # data.max_length=1: must be ...
+    raise ConfigError("data.max_length", "must be >= 2, got 1", "raise it")   # data.max_length: must be >= 2, ...
 
 Every class derives from `LitPackingError` (a `ValueError`), which `python main.py` prints alone, without a
 traceback, before exiting with status 2. Catch `LitPackingError` to handle any of them.
@@ -8,7 +8,12 @@ traceback, before exiting with status 2. Catch `LitPackingError` to handle any o
 
 from __future__ import annotations
 
+import functools
 import math
+import re
+from collections.abc import Mapping
+
+_SETTING_REF = re.compile(r"\{([A-Za-z_][\w.\[\]]*)\}")  # `{max_tokens}` in a message: a setting
 
 
 class LitPackingError(ValueError):
@@ -18,15 +23,33 @@ class LitPackingError(ValueError):
 class ConfigError(LitPackingError):
     """A setting out of range or impossible here, raised when the objects are built (before any data or model).
 
+    The core (samplers, collators, attention, loss) names its own parameters (`max_tokens`); the Lightning layer
+    that built the object from a config says where that parameter lives (`under`), so the same error reads
+    `max_tokens: ...` to a plain PyTorch user and `data.sampler.init_args.max_tokens: ...` on the command line.
+    Other settings are referred to in `problem` and `fix` as `{name}`, rendered the same way.
+
     Args:
-        setting: the full CLI path, e.g. `data.sampler.init_args.max_tokens`.
+        setting: the parameter, e.g. `max_tokens`, or a full CLI path such as `data.max_length`.
         problem: what is wrong with its value, e.g. `must be >= 1, got 0`.
         fix: what to set instead (optional).
+
+    >>> error = ConfigError("max_tokens", "must be >= 1, got 0", "or lower {max_length}")
+    >>> str(error)
+    'max_tokens: must be >= 1, got 0; or lower max_length'
+    >>> str(error.under({"max_tokens": "data.sampler.init_args.max_tokens", "max_length": "data.max_length"}))
+    'data.sampler.init_args.max_tokens: must be >= 1, got 0; or lower data.max_length'
     """
 
-    def __init__(self, setting: str, problem: str, fix: str = "") -> None:
+    def __init__(self, setting: str, problem: str, fix: str = "", paths: Mapping[str, str] | None = None) -> None:
         self.setting, self.problem, self.fix = setting, problem, fix
-        super().__init__(f"{setting}: {problem}" + (f"; {fix}" if fix else ""))
+        self.paths = dict(paths or {})
+        self.path = self.paths.get(setting, setting)  # where the setting lives for whoever reads the message
+        render = functools.partial(_SETTING_REF.sub, lambda m: self.paths.get(m[1], m[1]))
+        super().__init__(f"{self.path}: {render(problem)}" + (f"; {render(fix)}" if fix else ""))
+
+    def under(self, paths: Mapping[str, str]) -> ConfigError:
+        """The same error with settings named by `paths` (parameter -> where it is set); others keep their name."""
+        return type(self)(self.setting, self.problem, self.fix, {**self.paths, **paths})
 
 
 class DataError(LitPackingError):
@@ -43,6 +66,14 @@ class DataError(LitPackingError):
 
 class TrainingError(LitPackingError):
     """The run cannot go on or did not train: a non-finite loss or gradient, no optimizer step taken."""
+
+
+class IsolationError(LitPackingError):
+    """Packed examples are not isolated from each other (or the packed batch is malformed)."""
+
+
+class StepMemoryError(LitPackingError, MemoryError):
+    """The predicted peak memory of the largest step exceeds what the device has (printed alone by the CLI)."""
 
 
 def check_range(setting: str, value: float | None, low: float | None = None, high: float | None = None,

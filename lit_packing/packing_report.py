@@ -224,25 +224,27 @@ def plot(lengths: np.ndarray, rows: list[PlanStats], path: Path) -> None:
     plt.close(fig)
 
 
-def configured_data(config: Path, overrides: list[str]) -> tuple[PackingDataModule, int]:
-    """The data module, set up, as `python main.py fit --config <config> <overrides>` builds it, and the
-    trainer's `accumulate_grad_batches`.
+def configured_data(config: str | Path | list[str | Path], overrides: list[str]) -> tuple[PackingDataModule, int]:
+    """The data module, set up, as `python main.py fit --config <config> <overrides>` builds it (a list: one
+    `--config` each, in order, e.g. `["paper", "multipack"]`), and the trainer's `accumulate_grad_batches`.
 
-    The model and trainer are built too (the model's weights load) and connected as `Trainer.fit` connects them,
-    so a sampler that balances by FLOPs gets the model's cost coefficients, as in training.
+    The model and trainer are built too (the model's weights load), and the model's contract is handed to the data
+    as `Trainer.fit` hands it, so a sampler that balances by FLOPs gets the model's cost coefficients, as in training.
     """
-    cli = cli_main(["--config", str(config), *overrides], run=False)
-    cli.trainer.strategy.connect(cli.model)
+    configs = config if isinstance(config, list) else [config]
+    cli = cli_main([*(arg for c in configs for arg in ("--config", str(c))), *overrides], run=False)
     data = cli.datamodule
-    data.trainer = cli.trainer
+    data.trainer = cli.trainer  # the run's layout: accumulate_grad_batches, ranks
     data.prepare_data()
     data.setup("fit")
+    data.connect_model(cli.model.contract)
     return data, cli.trainer.accumulate_grad_batches
 
 
 def main(argv: list[str] | None = None) -> list[PlanStats]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--config", type=Path, required=True, help="a YAML of configs/, as main.py fit takes it")
+    parser.add_argument("--config", action="append", required=True, help="a config file or name, as main.py fit "
+                        "takes it; repeat to compose (--config paper --config multipack)")  # fmt: skip
     parser.add_argument("--batch_size", type=int, default=8, help="examples per step for the mini-batch strategies")
     parser.add_argument("--max_tokens", type=int, default=None, help="token budget (default: the config's)")
     parser.add_argument("--accumulate", type=int, default=None, help="micro-steps per optimizer step (stragglers)")
@@ -254,13 +256,13 @@ def main(argv: list[str] | None = None) -> list[PlanStats]:
     max_tokens = args.max_tokens or getattr(data.train_sampler, "max_tokens", None) or data.max_length
     accumulate = args.accumulate or accumulate
     rows = [configured, *report(lengths, args.batch_size, max_tokens)]
-    title = f"{args.config}: {len(lengths):,} examples, batch_size={args.batch_size}, max_tokens={max_tokens:,}"
+    configs = " + ".join(args.config)
+    title = f"{configs}: {len(lengths):,} examples, batch_size={args.batch_size}, max_tokens={max_tokens:,}"
     console = Console(width=max(Console().width, 150))
     console.print(render(rows, title))
-    model = data.trainer.lightning_module
     console.print(
         render_stragglers(
-            straggler_rows(lengths, max_tokens, accumulate, coefficients=model.cost_coefficients),
+            straggler_rows(lengths, max_tokens, accumulate, coefficients=data.model_contract.cost_coefficients),
             f"straggler factor (slowest rank / mean rank, the model's FLOPs per optimizer step), "
             f"max_tokens={max_tokens:,}, accumulate={accumulate}",
         )

@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import torch
 
 from lit_packing.batch import COUNTS
+from lit_packing.contract import DataContract
 
 
 def padding_metrics(counts: dict[str, int]) -> dict[str, float]:
@@ -50,13 +51,17 @@ class PackingMonitor(pl.Callback):
         self.prog_bar = prog_bar
         self.epoch_totals: Counter[str] = Counter()
         self._step_counts: Counter[str] = Counter()  # the micro-batches of the optimizer step under way
+        self._data: DataContract | None = None
+
+    def connect_data(self, data: DataContract) -> None:
+        """The data's contract (`lit_packing.contract`): its tokenization report is logged at train start."""
+        self._data = data
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        report = getattr(trainer.datamodule, "report", None) if trainer.datamodule is not None else None
-        if report is None or not trainer.is_global_zero:
+        if self._data is None or self._data.report is None or not trainer.is_global_zero:
             return
-        counts = {f"data/{name}": float(value) for name, value in report.as_dict().items()}
-        counts["data/val_overlap_examples"] = float(getattr(trainer.datamodule, "overlap_examples", 0))
+        counts = {f"data/{name}": float(value) for name, value in self._data.report.as_dict().items()}
+        counts["data/val_overlap_examples"] = float(self._data.overlap_examples)
         for logger in trainer.loggers:
             logger.log_metrics(counts, step=trainer.global_step)
 

@@ -20,7 +20,9 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from rich.console import Console
 from rich.table import Table
 
+from lit_packing._compat import should_update_logs
 from lit_packing.batch import COUNTS, LENGTHS
+from lit_packing.contract import DataContract
 from lit_packing.cost import ModelShape, hardware_flops, model_flops, model_shape
 
 _RATES = {  # logged name -> count it divides by time
@@ -38,9 +40,9 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def data_rows(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, str]]:
+def data_rows(data: DataContract | None, pl_module: pl.LightningModule) -> list[tuple[str, str]]:
     """Summary rows for what the run skipped or changed: bad rows, drops, cuts, duplicates, non-finite steps."""
-    report = getattr(trainer.datamodule, "report", None) if trainer.datamodule is not None else None
+    report = data.report if data is not None else None
     rows = []
     if report is not None:
         rows += [
@@ -49,7 +51,7 @@ def data_rows(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[
             ("dropped, no label", f"{report.dropped_no_label_examples:,}"),
             ("truncated", f"{report.truncated_examples:,} ({report.truncated_tokens:,} tokens cut)"),
             ("duplicates", f"{report.duplicate_examples:,}"),
-            ("val also in train", f"{getattr(trainer.datamodule, 'overlap_examples', 0):,}"),
+            ("val also in train", f"{data.overlap_examples:,}"),
         ]
     if hasattr(pl_module, "nonfinite_steps"):
         rows.append(("non-finite steps skipped", f"{pl_module.nonfinite_steps:,}"))
@@ -90,6 +92,11 @@ class TokenThroughputMonitor(pl.Callback):
         self._shape: ModelShape | None = None
         self._peak_flops: float | None = None
         self._batch_start: float | None = None  # None: the clock is paused until the next training batch starts
+        self._data: DataContract | None = None  # what the data publishes (the summary's data rows)
+
+    def connect_data(self, data: DataContract) -> None:
+        """The data's contract (`lit_packing.contract`): its tokenization report ends the fit summary."""
+        self._data = data
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = getattr(pl_module, "model", pl_module)
@@ -125,7 +132,7 @@ class TokenThroughputMonitor(pl.Callback):
         self.totals.update(counts)
         self._recent.append((self.train_seconds, counts))
         # Lightning's own test for "this step's metrics reach the loggers" (log_every_n_steps, or the run stops).
-        if trainer.world_size > 1 and not trainer._logger_connector.should_update_logs:
+        if trainer.world_size > 1 and not should_update_logs(trainer):
             return
         rates = self.rates(trainer, pl_module)
         for name, value in rates.items():
@@ -192,7 +199,7 @@ class TokenThroughputMonitor(pl.Callback):
         for key in ("train/loss", "val/loss", "val/perplexity"):
             if key in metrics:
                 rows.append((key, f"{float(metrics[key]):.4f}"))
-        rows += data_rows(trainer, pl_module)
+        rows += data_rows(self._data, pl_module)
         table = Table(title="lit_packing fit summary", show_header=False)
         for name, value in rows:
             table.add_row(name, value)

@@ -30,7 +30,8 @@ example's row in the source, for error messages and resume checks).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -55,6 +56,10 @@ from lit_packing.batch import (
     attention_cost,
     batch_counts,
 )
+from lit_packing.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lit_packing.samplers import PackPlan
 
 
 def _host_entries(examples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -70,18 +75,90 @@ def _as_array(values: Any) -> np.ndarray:
     return np.asarray(values, dtype=np.int64)
 
 
-def _padded_length(total: int, pad_to_multiple_of: int | None, bucket_sizes: Sequence[int] | None) -> int:
+def padded_lengths(
+    totals: np.ndarray, pad_to_multiple_of: int | None, bucket_sizes: Sequence[int] | None
+) -> np.ndarray:
+    """The length each of `totals` tokens is padded to: the smallest bucket that holds it, else the next multiple.
+
+    >>> padded_lengths(np.array([5, 64, 65]), 64, None).tolist(), padded_lengths([5, 9], None, [8, 16]).tolist()
+    ([64, 64, 128], [8, 16])
+    """
+    totals = np.asarray(totals, dtype=np.int64)
     if bucket_sizes:
-        for size in sorted(bucket_sizes):
-            if size >= total:
-                return size
-        raise ValueError(
-            f"a batch of {total} tokens exceeds the largest bucket ({max(bucket_sizes)}): "
-            f"add a bigger size to collator bucket_sizes or lower the sampler's max_tokens"
-        )
+        sizes = np.sort(np.asarray(bucket_sizes, dtype=np.int64))
+        where = np.searchsorted(sizes, totals)
+        if (where == len(sizes)).any():
+            raise ConfigError(
+                "bucket_sizes",
+                f"a batch of {int(totals.max()):,} tokens exceeds the largest bucket ({int(sizes[-1]):,})",
+                "add a bigger size to {bucket_sizes} or lower {max_tokens}",
+            )
+        return sizes[where]
     if pad_to_multiple_of:
-        return -(-total // pad_to_multiple_of) * pad_to_multiple_of
-    return total
+        return -(-totals // pad_to_multiple_of) * pad_to_multiple_of
+    return totals
+
+
+@dataclass(frozen=True)
+class PlanSlots:
+    """What a collator turns each pack of a plan into, computed from the plan alone (no batch is built).
+
+    Attributes:
+        slots: (n_packs,) tokens computed, padding included (`counts["slot_tokens"]` of the batch).
+        pairs: (n_packs,) attention pairs computed (`counts["attn_cost"]`).
+        rows: (n_packs,) batch rows (1 packed).
+        width: (n_packs,) row length.
+        padded: padded rows with an attention mask rather than one packed row.
+    """
+
+    slots: np.ndarray
+    pairs: np.ndarray
+    rows: np.ndarray
+    width: np.ndarray
+    padded: bool = False
+
+    def largest(self) -> StepShape | None:
+        """The micro-batch that needs the most memory: the most slots, then the most attention pairs; None if no
+        pack."""
+        if not len(self.slots):
+            return None
+        p = int(np.lexsort((self.pairs, self.slots))[-1])
+        values = (self.slots[p], self.pairs[p], self.rows[p], self.width[p])
+        return StepShape(*(int(v) for v in values), padded=self.padded)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One micro-batch: what it computes and its attention cost (the memory estimate sizes it).
+
+    Attributes:
+        slot_tokens: tokens computed, padding included (rows x width when padded).
+        attn_pairs: sum(L^2) packed, rows x width^2 padded.
+        rows: batch rows (1 when packed).
+        width: row length.
+        padded: a padded batch (2D attention mask) rather than a packed row.
+    """
+
+    slot_tokens: int
+    attn_pairs: int
+    rows: int
+    width: int
+    padded: bool = False
+
+    def describe(self) -> str:
+        if self.padded:
+            return f"{self.rows} padded rows x {self.width:,} tokens = {self.slot_tokens:,} slots"
+        return f"{self.slot_tokens:,} tokens in one packed row"
+
+
+def _longest_per_pack(plan: PackPlan) -> np.ndarray:
+    """(n_packs,) the longest item of each pack, 0 for an empty pack."""
+    sizes = plan.examples_per_pack()
+    longest = np.zeros(len(sizes), dtype=np.int64)
+    if len(plan.tokens):
+        nonempty = sizes > 0
+        longest[nonempty] = np.maximum.reduceat(plan.tokens, plan.offsets[:-1][nonempty])
+    return longest
 
 
 class PackedCollator:
@@ -113,6 +190,17 @@ class PackedCollator:
         self.isolate = isolate
         self.row_length = row_length
 
+    def plan_slots(self, plan: PackPlan) -> PlanSlots:
+        """Per pack of `plan`, the slots and attention pairs this collator's batch would compute (its `counts`)."""
+        tokens = plan.tokens_per_pack()
+        slots = padded_lengths(np.maximum(tokens, 1), self.pad_to_multiple_of, self.bucket_sizes)
+        if self.isolate:  # tail padding is one more segment
+            pairs = plan.sq_tokens_per_pack() + (slots - tokens) ** 2
+        else:
+            row = np.full_like(slots, self.row_length) if self.row_length else slots
+            pairs = (slots // row) * row**2 + (slots % row) ** 2
+        return PlanSlots(slots, pairs, np.ones_like(slots), slots)
+
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         host = _host_entries(examples)
         examples = [ex for ex in examples if len(ex[INPUT_IDS]) > 0]
@@ -124,7 +212,7 @@ class PackedCollator:
             y[0] = IGNORE_INDEX
             labels.append(y)
         real = sum(lengths)
-        total = _padded_length(max(real, 1), self.pad_to_multiple_of, self.bucket_sizes)
+        total = int(padded_lengths(np.array([max(real, 1)]), self.pad_to_multiple_of, self.bucket_sizes)[0])
         pad = total - real
         if pad:
             ids.append(np.full(pad, self.pad_token_id, dtype=np.int64))
@@ -181,11 +269,17 @@ class PaddedCollator:
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
 
+    def plan_slots(self, plan: PackPlan) -> PlanSlots:
+        """Per pack of `plan`, the slots and attention pairs this collator's batch would compute (its `counts`)."""
+        width = padded_lengths(np.maximum(_longest_per_pack(plan), 1), self.pad_to_multiple_of, None)
+        rows = np.maximum(plan.examples_per_pack(), 1)
+        return PlanSlots(rows * width, rows * width**2, rows, width, padded=True)
+
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         host = _host_entries(examples)
         examples = [ex for ex in examples if len(ex[INPUT_IDS]) > 0]
         lengths = [len(ex[INPUT_IDS]) for ex in examples] or [0]
-        width = _padded_length(max(max(lengths), 1), self.pad_to_multiple_of, None)
+        width = int(padded_lengths(np.array([max(max(lengths), 1)]), self.pad_to_multiple_of, None)[0])
         rows = max(len(examples), 1)
         input_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
         labels = torch.full((rows, width), IGNORE_INDEX, dtype=torch.long)

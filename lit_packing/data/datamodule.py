@@ -3,19 +3,23 @@
     dm = PackingDataModule(source=Chatterbot(), max_length=512); dm.prepare_data(); dm.setup("fit")
 
 `prepare_data` loads the source and tokenizes it into the `datasets` disk cache (once, on one process); `setup`
-runs the same steps, which now hit the cache, splits off the validation set and builds the datasets. Samplers and
-the collator are built late from factories, because the lengths and the pad id are only known then. Every setting
-is range-checked in `__init__` (the sampler factories are built once on no data), so a bad value stops the CLI
-before any tokenization or model loading, with its full CLI path in the `ConfigError`:
+runs the same steps, which now hit the cache, splits off the validation set, builds the datasets and publishes
+what the model and the callbacks may know of the data as a `DataContract` (`lit_packing.contract`). Samplers and
+the collator are built late from factories, because the lengths and the pad id are only known then:
 
-    sampler(train_lengths, seed=seed)                 # a batch sampler: one pack of example indices per step
+    sampler(train_lengths).connect(RunContext(...))   # a batch sampler: one pack of example indices per step
     collator(pad_token_id)                            # list of examples -> one batch
+
+The sampler's run context (the seed, the ranks, gradient accumulation, the model's cost coefficients, the label
+counter) comes in that one `connect` call and fills only what the sampler's own `init_args` left unset. Every
+setting is range-checked once, when the CLI builds the objects (the sampler factories are built once on no data),
+so a bad value stops before any tokenization or model loading; a sampler's error names its parameter by its CLI
+path (`lit_packing.contract.setting_paths`).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
+import contextlib
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -29,7 +33,8 @@ from torch.utils.data import DataLoader, Sampler
 
 from lit_packing.assets import resolve_pretrained
 from lit_packing.batch import INPUT_IDS
-from lit_packing.data.collate import PackedCollator, PaddedCollator
+from lit_packing.contract import DataContract, ModelContract, setting_paths
+from lit_packing.data.collate import PackedCollator, PaddedCollator, StepShape
 from lit_packing.data.sources import ChampChats, Source
 from lit_packing.data.tokenize import (
     INDEX,
@@ -39,11 +44,12 @@ from lit_packing.data.tokenize import (
     OnBadRow,
     TokenizationReport,
     TokenizedDataset,
+    check_tokenize_settings,
     column,
     tokenize_dataset,
 )
 from lit_packing.errors import ConfigError, DataError, check_range
-from lit_packing.samplers import BestFitPackingSampler, PlannedBatchSampler
+from lit_packing.samplers import BestFitPackingSampler, PlannedBatchSampler, RunContext
 
 VALIDATION_SPLITS = ("validation", "test")  # a source's own split used for validation, first found
 
@@ -51,10 +57,14 @@ VALIDATION_SPLITS = ("validation", "test")  # a source's own split used for vali
 def check_val_split(val_split: int | float) -> None:
     """Range-check `data.val_split` on its own (a fraction in [0, 1) or a count >= 0); the data size is checked later
     by `split_rows`."""
-    if isinstance(val_split, float):
-        check_range("data.val_split", val_split, 0, 1, high_open=True)
-    else:
+    if not isinstance(val_split, float):
         check_range("data.val_split", val_split, 0)
+        return
+    try:
+        check_range("data.val_split", val_split, 0, 1, high_open=True)
+    except ConfigError as error:
+        fix = "a float is a fraction of the examples in [0, 1) (e.g. 0.05); use an int for a count"
+        raise ConfigError(error.setting, error.problem, fix) from None
 
 
 def split_rows(n: int, val_split: int | float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -69,21 +79,18 @@ def split_rows(n: int, val_split: int | float, seed: int) -> tuple[np.ndarray, n
         seed: the same seed always gives the same split (`numpy.random.default_rng(seed).permutation(n)`).
 
     Raises:
-        ValueError: the split leaves no training example; the message names `data.val_split` and `data.limit`.
+        ConfigError: `val_split` out of range, or a count that leaves no training example.
     """
+    check_val_split(val_split)
     if isinstance(val_split, float):
-        if not 0 <= val_split < 1:
-            raise ValueError(
-                f"data.val_split={val_split}: a float is a fraction of the examples in [0, 1) (e.g. 0.05); "
-                "use an int for a count"
-            )
         n_val = min(max(round(val_split * n), 1 if val_split > 0 else 0), max(n - 1, 0))
     else:
-        if not 0 <= val_split < max(n, 1):
-            raise ValueError(
-                f"data.val_split={val_split} examples leaves no training data out of {n:,}: give a fraction "
-                f"(e.g. data.val_split=0.05, which adapts to the data), a count below {n:,}, or more examples "
-                "(data.limit)"
+        if val_split >= max(n, 1):
+            raise ConfigError(
+                "data.val_split",
+                f"{val_split} examples leave no training data out of {n:,}",
+                f"give a fraction (e.g. data.val_split=0.05, which adapts to the data), a count below {n:,}, or more "
+                "examples (data.limit)",
             )
         n_val = val_split
     order = np.random.default_rng(seed).permutation(n)
@@ -114,29 +121,6 @@ def check_val_check_interval(trainer: Any, train_steps: int) -> None:
         f"of this data: give a fraction of the run instead (e.g. trainer.val_check_interval=0.5, or 1.0 for the "
         f"end only), a count up to {train_steps:,}, or more training examples (data.val_split, data.limit)"
     )
-
-
-def _init_args(factory: Callable) -> dict[str, Any]:
-    """The keyword arguments a factory (a `functools.partial`, as jsonargparse builds from a config) passes on."""
-    found: dict[str, Any] = {}
-    while isinstance(factory, functools.partial):
-        found = {**factory.keywords, **found}
-        factory = factory.func
-    return found
-
-
-def _accepts(factory: Callable, name: str) -> bool:
-    """Whether `factory` (a class, function or `functools.partial` of one, as jsonargparse builds) takes `name`."""
-    target = factory
-    while isinstance(target, functools.partial):
-        # jsonargparse gives partial(call_without_instantiate_context, instantiator, cls, **init_args).
-        classes = [arg for arg in target.args if inspect.isclass(arg)]
-        target = classes[0] if classes else target.func
-    try:
-        parameters = inspect.signature(target).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 class _EpochForwardingBatchSampler(Sampler[list]):
@@ -171,10 +155,10 @@ class PackingDataModule(LightningDataModule):
             `test`) split. `main.py test` scores the source's `test` split where it has one besides
             `validation`, else the validation examples.
         limit: keep only this many examples of each split (a seeded random choice), for quick runs.
-        seed: seed of the split, of `limit` and of the samplers (passed as `seed=` where the factory takes one).
-            A factory that takes `cost_coefficients` (`MultipackSampler`) and was not given them in the config
-            gets the attached model's `PackedCausalLM.cost_coefficients`; the training sampler gets
-            `trainer.accumulate_grad_batches` as its `accumulate`.
+        seed: seed of the split, of `limit` and of the samplers that were not given their own `seed`. A sampler
+            gets the rest of its run context from the run (`RunContext`): the trainer's ranks and
+            `accumulate_grad_batches`, and the connected model's cost coefficients (`MultipackSampler`), each only
+            where its own `init_args` left it unset.
         num_workers: DataLoader worker processes.
         sampler: builds the training batch sampler from the lengths, e.g. `BestFitPackingSampler` or in YAML
             `{class_path: lit_packing.samplers.BestFitPackingSampler, init_args: {max_tokens: 8192}}`.
@@ -211,7 +195,7 @@ class PackingDataModule(LightningDataModule):
         on_bad_row: OnBadRow = "error",
     ) -> None:
         super().__init__()
-        check_range("data.max_length", max_length, 2)
+        check_tokenize_settings(max_length, overlong, train_on, on_bad_row)
         check_range("data.limit", limit, 1)
         check_range("data.seed", seed, 0)
         check_range("data.num_workers", num_workers, 0)
@@ -233,9 +217,9 @@ class PackingDataModule(LightningDataModule):
         self.cache_dir = cache_dir
         self.num_proc = num_proc
         self.on_bad_row = on_bad_row
-        for setting, factory in (("data.sampler", sampler), ("data.val_sampler", val_sampler)):
+        for component, factory in (("sampler", sampler), ("val_sampler", val_sampler)):
             if factory is not None:
-                self._probe(setting, factory)
+                self._probe(component, factory)
         self.overlap_examples = 0  # validation examples whose tokens equal a training example's
         self._tokenizer = None
         self.train_dataset: TokenizedDataset | None = None
@@ -244,6 +228,8 @@ class PackingDataModule(LightningDataModule):
         self.report: TokenizationReport | None = None
         self.train_sampler: Sampler | None = None
         self._sampler_state: dict | None = None
+        self.contract: DataContract | None = None  # published by `setup`
+        self.model_contract: ModelContract | None = None  # what the model publishes (`connect_model`)
 
     # ------------------------------------------------------------ run-time values (linked to the model by the CLI)
 
@@ -317,6 +303,28 @@ class PackingDataModule(LightningDataModule):
             f"{len(self.train_dataset):,} train / {len(val):,} validation{own_test} examples"
         )
         self._warn_about(train, val)
+        self.contract = DataContract(
+            tokenizer=self.tokenizer,
+            pad_token_id=self.pad_token_id,
+            vocab_size=self.vocab_size,
+            token_id_range=self.token_id_range,
+            name_rows=self.name_rows,
+            largest_step=self.largest_step,
+            report=self.report,
+            overlap_examples=self.overlap_examples,
+        )
+
+    def connect_model(self, model: ModelContract) -> None:
+        """What the model publishes (`lit_packing.contract.DataModelConnection` calls this before any loader):
+        its cost coefficients balance `MultipackSampler`'s ranks unless the sampler was given its own."""
+        self.model_contract = model
+
+    def largest_step(self) -> StepShape | None:
+        """The training plan's micro-batch that needs the most memory (the collator's slots of the sampler's
+        plan; no batch is built); None before `train_dataloader` or for a sampler without a plan."""
+        if not isinstance(self.train_sampler, PlannedBatchSampler):
+            return None
+        return self.collator(self.pad_token_id).plan_slots(self.train_sampler.plan()).largest()
 
     @property
     def token_id_range(self) -> tuple[int, int]:
@@ -356,15 +364,14 @@ class PackingDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         dataset = self._require(self.train_dataset)
-        self.train_sampler = self._build_sampler(self.sampler, self.train_lengths)
-        if isinstance(self.train_sampler, PlannedBatchSampler):
-            # Every pack carries its optimizer step's label totals, so the loss needs no communication.
-            self.train_sampler.label_counter = dataset.count_labels
-            if self.trainer is not None:
-                self.train_sampler.accumulate = self.trainer.accumulate_grad_batches
-        if self._sampler_state is not None:
-            self.train_sampler.load_state_dict(self._sampler_state)
-            self._sampler_state = None
+        # Every pack carries its optimizer step's label totals (`label_counter`): the loss needs no communication.
+        self.train_sampler = self._build_sampler("sampler", self.sampler, self.train_lengths, dataset.count_labels)
+        with self._named_settings("sampler", self.train_sampler):
+            if self._sampler_state is not None:
+                self.train_sampler.load_state_dict(self._sampler_state)
+                self._sampler_state = None
+        with self._named_settings("collator"):
+            self.largest_step()  # a padding rule that cannot hold the plan's largest pack fails here, not mid-epoch
         if self.trainer is not None:
             check_val_check_interval(self.trainer, len(self.train_sampler))
         return self._loader(dataset, self.train_sampler, self.collator)
@@ -448,30 +455,47 @@ class PackingDataModule(LightningDataModule):
         is_val = np.isin(column(tokenized, INDEX), val_rows)
         return tokenized.select(np.flatnonzero(~is_val)), tokenized.select(np.flatnonzero(is_val))
 
-    def _probe(self, setting: str, factory: Callable) -> None:
-        """Build the sampler once on no data, so its own checks run now; name the setting that failed."""
+    def _probe(self, component: str, factory: Callable) -> None:
+        """Build the sampler once on no data, so that its own checks run now, before tokenization."""
+        with self._named_settings(component):
+            factory(np.zeros(0, dtype=np.int64))
+
+    @contextlib.contextmanager
+    def _named_settings(self, component: str, built: Any = None):
+        """Re-raise a core `ConfigError` of `data.<component>` with its settings named by their CLI paths."""
         try:
-            self._build_sampler(factory, np.zeros(0, dtype=np.int64))
-        except ValueError as error:
-            name = next((key for key in _init_args(factory) if key in str(error)), None)
-            raise ConfigError(f"{setting}.init_args.{name}" if name else setting, str(error)) from None
+            yield
+        except ConfigError as error:
+            given = getattr(built, "given", {error.setting})
+            raise error.under(setting_paths(component, [error.setting], given)) from None
 
     def _eval_loader(self, dataset: TokenizedDataset) -> DataLoader:
         """Whole, isolated examples in a fixed order: `val_sampler` / `val_collator`, else the training ones."""
         if self.val_sampler is not None:
-            sampler = self._build_sampler(self.val_sampler, dataset.lengths)
+            sampler = self._build_sampler("val_sampler", self.val_sampler, dataset.lengths)
         else:
-            sampler = self._build_sampler(self.sampler, dataset.lengths, shuffle=False)
+            sampler = self._build_sampler("sampler", self.sampler, dataset.lengths, shuffle=False)
         return self._loader(dataset, sampler, self.val_collator or self.collator)
 
-    def _build_sampler(self, factory: Callable, lengths: np.ndarray, **kwargs: Any) -> Sampler:
-        if _accepts(factory, "seed"):
-            kwargs["seed"] = self.seed
-        model = self.trainer.lightning_module if self.trainer is not None else None
-        wanted = _accepts(factory, "cost_coefficients") and _init_args(factory).get("cost_coefficients") is None
-        if wanted and hasattr(model, "cost_coefficients"):
-            kwargs["cost_coefficients"] = model.cost_coefficients  # balance ranks by this model's FLOPs
-        return factory(lengths, **kwargs)
+    def _build_sampler(
+        self, component: str, factory: Callable, lengths: np.ndarray, label_counter: Callable | None = None, **kwargs
+    ) -> Sampler:
+        """`factory(lengths)`, connected to the run: `data.seed`, the trainer's layout, the model's costs."""
+        with self._named_settings(component):
+            sampler = factory(lengths, **kwargs)
+        if isinstance(sampler, PlannedBatchSampler):
+            trainer = self.trainer
+            context = RunContext(
+                seed=self.seed,
+                rank=trainer.global_rank if trainer is not None else None,
+                world_size=trainer.world_size if trainer is not None else None,
+                accumulate=trainer.accumulate_grad_batches if trainer is not None and label_counter else None,
+                cost_coefficients=self.model_contract.cost_coefficients if self.model_contract is not None else None,
+                label_counter=label_counter,
+            )
+            with self._named_settings(component, sampler):
+                sampler.connect(context)
+        return sampler
 
     def _loader(self, dataset: TokenizedDataset, sampler: Sampler, collator: Callable) -> DataLoader:
         return DataLoader(

@@ -407,7 +407,7 @@ def check_report(
 # ---------------------------------------------------------------- the cache on disk
 
 
-def _file_record(path: Path) -> list:
+def file_record(path: Path) -> list:
     """[size, XXH3-128 hex] of a file, streamed in 8 MiB blocks. XXH3 (xxhash, a `datasets` dependency) catches
     any accidental damage and reads GB/s, so checking a 160 MiB cache costs tens of milliseconds."""
     digest = xxhash.xxh3_128()
@@ -417,7 +417,8 @@ def _file_record(path: Path) -> list:
     return [path.stat().st_size, digest.hexdigest()]
 
 
-def _cache_files(folder: Path, fingerprint: str) -> list[Path]:
+def cache_files(folder: Path, fingerprint: str) -> list[Path]:
+    """The Arrow files of one tokenization (its `fingerprint`) in a `datasets` cache folder."""
     return sorted(folder.glob(f"cache-{fingerprint}*.arrow"))
 
 
@@ -439,14 +440,14 @@ def _remove_stale_tmp(folder: Path) -> None:
 def _verify_cache(folder: Path, fingerprint: str) -> None:
     """Delete this tokenization's cache files when they differ from their record, or have none (an older version
     wrote them, or a run died before recording them), so the map rebuilds them; say so."""
-    files, record_path = _cache_files(folder, fingerprint), _record_path(folder, fingerprint)
+    files, record_path = cache_files(folder, fingerprint), _record_path(folder, fingerprint)
     if not files:
         return
     try:
         expected = json.loads(record_path.read_text())
     except (OSError, ValueError):
         expected = None
-    if expected is not None and {path.name: _file_record(path) for path in files} == expected:
+    if expected is not None and {path.name: file_record(path) for path in files} == expected:
         return
     problem = "has no size + checksum record" if expected is None else "does not match its size + checksum record"
     log.warning("the tokenized cache %s %s (%s): rebuilding it", [str(p) for p in files], problem, record_path)
@@ -456,13 +457,26 @@ def _verify_cache(folder: Path, fingerprint: str) -> None:
 
 def _write_record(folder: Path, fingerprint: str) -> None:
     """Record size + checksum of this tokenization's cache files, atomically (a temporary file, then a rename)."""
-    record_path, files = _record_path(folder, fingerprint), _cache_files(folder, fingerprint)
+    record_path, files = _record_path(folder, fingerprint), cache_files(folder, fingerprint)
     if record_path.exists() or not files:
         return
-    record = {path.name: _file_record(path) for path in files}
+    record = {path.name: file_record(path) for path in files}
     with tempfile.NamedTemporaryFile("w", dir=folder, prefix="tmp", suffix=".json", delete=False) as tmp:
         json.dump(record, tmp)
     os.replace(tmp.name, record_path)
+
+
+def check_tokenize_settings(max_length: int, overlong: str, train_on: str, on_bad_row: str) -> None:
+    """Raise a `ConfigError` naming the `data.*` setting that tokenization cannot work with (the one check of
+    each; `PackingDataModule` runs it at construction, before any data is read)."""
+    if overlong not in ("truncate", "drop", "error"):
+        raise ConfigError("data.overlong", f"{overlong!r} is not a policy", "use truncate, drop or error")
+    if train_on not in ("completion", "all"):
+        raise ConfigError("data.train_on", f"{train_on!r} is not a choice", "use completion or all")
+    if on_bad_row not in ("error", "skip"):
+        raise ConfigError("data.on_bad_row", f"{on_bad_row!r} is not a policy", "use error or skip")
+    if max_length < 2:
+        raise ConfigError("data.max_length", f"must be >= 2 to hold a trained token, got {max_length}")
 
 
 def tokenize_dataset(
@@ -496,14 +510,7 @@ def tokenize_dataset(
     Raises:
         DataError: bad rows under `on_bad_row=error`, overlong ones under `overlong=error`, or no example left.
     """
-    if overlong not in ("truncate", "drop", "error"):
-        raise ConfigError("data.overlong", f"{overlong!r} is not a policy", "use truncate, drop or error")
-    if train_on not in ("completion", "all"):
-        raise ConfigError("data.train_on", f"{train_on!r} is not a choice", "use completion or all")
-    if on_bad_row not in ("error", "skip"):
-        raise ConfigError("data.on_bad_row", f"{on_bad_row!r} is not a policy", "use error or skip")
-    if max_length < 2:
-        raise ConfigError("data.max_length", f"must be >= 2 to hold a trained token, got {max_length}")
+    check_tokenize_settings(max_length, overlong, train_on, on_bad_row)
     if not len(dataset):
         raise DataError("the source holds no examples: check data.source (its path, split and field_map)")
     shape = example_shape(dataset.column_names)

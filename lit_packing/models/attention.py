@@ -24,11 +24,13 @@ This is the only module that imports flash_attn.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from functools import cache
 from typing import Literal
 
@@ -37,6 +39,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from lit_packing.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +80,7 @@ def resolve_backend(backend: AttnBackend, device: torch.device | str) -> str:
     """Turn `auto` into the fastest backend for `device` (flash_attn > torch_varlen > per_example); check others.
 
     Raises:
-        ValueError: the backend cannot run on this device or is not installed; the message names the fix.
+        ConfigError: the backend cannot run on this device or is not installed; the message names the fix.
     """
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -87,23 +91,27 @@ def resolve_backend(backend: AttnBackend, device: torch.device | str) -> str:
             return "torch_varlen"
         return "per_example"
     if backend not in BACKENDS:
-        raise ValueError(f"unknown attn_backend={backend!r}: choose one of auto, {', '.join(BACKENDS)}")
+        raise ConfigError("attn_backend", f"unknown backend {backend!r}", f"choose one of auto, {', '.join(BACKENDS)}")
     if backend == "flash_attn":
         if not cuda:
-            raise ValueError(
-                f"attn_backend=flash_attn needs a CUDA GPU, and this run is on {device}: set "
-                "model.attn_backend=auto (picks per_example here) or model.attn_backend=per_example"
+            raise ConfigError(
+                "attn_backend",
+                f"flash_attn needs a CUDA GPU, and this run is on {device}",
+                "set {attn_backend}=auto (picks per_example here) or {attn_backend}=per_example",
             )
         if not flash_attn_installed():
-            raise ValueError(
-                "attn_backend=flash_attn needs the flash-attn package: from the repository, "
-                '`pip install -e ".[flash]"` (compiles against your CUDA toolkit), or set model.attn_backend=auto '
-                "(PyTorch's built-in torch_varlen on this GPU)"
+            raise ConfigError(
+                "attn_backend",
+                "flash_attn needs the flash-attn package",
+                'from the repository, `pip install -e ".[flash]"` (compiles against your CUDA toolkit), or set '
+                "{attn_backend}=auto (PyTorch's built-in torch_varlen on this GPU)",
             )
     if backend == "torch_varlen" and not torch_varlen_available(device):
-        raise ValueError(
-            f"attn_backend=torch_varlen needs torch >= 2.10 and a CUDA GPU with compute capability >= 8.0 "
-            f"(device {device}, torch {torch.__version__}): set attn_backend=auto or per_example"
+        raise ConfigError(
+            "attn_backend",
+            f"torch_varlen needs torch >= 2.10 and a CUDA GPU with compute capability >= 8.0 (device {device}, "
+            f"torch {torch.__version__})",
+            "set {attn_backend}=auto or per_example",
         )
     return backend
 
@@ -250,17 +258,27 @@ def _memo(store: dict, key: torch.Tensor, variant: object, build: Callable):
 # Kernels: q (total, H, D), k/v (total, Hkv, D), cu (n + 1,) -> (total, H, D)
 
 
-# The dtype the last varlen kernel call ran in (a kernel may run below the activations' dtype, see `_half`).
-_kernel_dtype: dict[str, torch.dtype] = {}
+# Where the varlen kernels report the dtype they ran in (one may run below the activations' dtype, see `_half`),
+# while an `observe_kernel_dtypes` block is open in this thread; None otherwise.
+_kernel_dtypes: ContextVar[list[torch.dtype] | None] = ContextVar("kernel_dtypes", default=None)
 
 
-def last_kernel_dtype() -> torch.dtype | None:
-    """The dtype the most recent flash_attn / torch_varlen call computed in; None if none ran since the reset."""
-    return _kernel_dtype.get("last")
+@contextlib.contextmanager
+def observe_kernel_dtypes() -> Iterator[list[torch.dtype]]:
+    """Within the block, collect the dtype every flash_attn / torch_varlen call computes in (the isolation
+    self-test judges a packed forward by the precision its attention really ran in)."""
+    seen: list[torch.dtype] = []
+    token = _kernel_dtypes.set(seen)
+    try:
+        yield seen
+    finally:
+        _kernel_dtypes.reset(token)
 
 
-def reset_kernel_dtype() -> None:
-    _kernel_dtype.clear()
+def _report_kernel_dtype(dtype: torch.dtype) -> None:
+    seen = _kernel_dtypes.get()
+    if seen is not None:
+        seen.append(dtype)
 
 
 @cache
@@ -278,10 +296,10 @@ def _half(x: torch.Tensor, kernel: str) -> torch.Tensor:
     """FlashAttention kernels take fp16/bf16 only; other activations (fp32 without autocast) run in bf16, with a
     one-time warning naming the dtype."""
     if x.dtype in (torch.float16, torch.bfloat16):
-        _kernel_dtype["last"] = x.dtype
+        _report_kernel_dtype(x.dtype)
         return x
     _warn_cast(kernel, x.dtype)
-    _kernel_dtype["last"] = torch.bfloat16
+    _report_kernel_dtype(torch.bfloat16)
     return x.to(torch.bfloat16)
 
 

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import torch
 import torchmetrics
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_packing.batch import (
@@ -45,7 +45,8 @@ from lit_packing.batch import (
     STEP,
     is_packed,
 )
-from lit_packing.cost import flop_coefficients, model_shape
+from lit_packing.contract import DataContract, DataModelConnection, ModelContract
+from lit_packing.cost import model_shape
 from lit_packing.errors import ConfigError, DataError, TrainingError, check_range
 from lit_packing.models.attention import AttnBackend, attn_implementation, available_backends, resolve_backend
 from lit_packing.models.isolation import check_isolation, check_packed_batch
@@ -150,6 +151,7 @@ class PackedCausalLM(LightningModule):
         self._step_rows: list[int] = []  # source rows of the examples in the optimizer step under way (host-side)
         self._graphs_after_first_step: int | None = None  # torch.compile graphs compiled by the end of step 1
         self.memory_estimate = None  # set at train start (`memory_check`)
+        self._data: DataContract | None = None  # what the data publishes (`connect_data`)
 
     # ------------------------------------------------------------------------------------------------------------
     # Setup
@@ -160,10 +162,19 @@ class PackedCausalLM(LightningModule):
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
     @property
-    def cost_coefficients(self) -> tuple[float, float]:
-        """Training FLOPs per token and per attended (query, key) pair of this model (`flop_coefficients`): an
-        example of L tokens costs `a * L + b * L^2`. The data module hands them to `MultipackSampler`."""
-        return flop_coefficients(model_shape(self.model))
+    def contract(self) -> ModelContract:
+        """What the data may know of this model (its shape, hence its cost coefficients: an example of L tokens
+        costs `a * L + b * L^2` FLOPs, with which `MultipackSampler` balances ranks)."""
+        return ModelContract(shape=model_shape(self.model))
+
+    def connect_data(self, data: DataContract) -> None:
+        """What the data publishes: the token-id range checked at setup, the rows that name a failed step's
+        examples, the largest step the memory estimate sizes, the tokenizer `export` saves beside the weights."""
+        self._data = data
+
+    def configure_callbacks(self) -> list[Callback]:
+        """The data/model connection, on every `Trainer` this module runs in (the CLI's or a plain one)."""
+        return [DataModelConnection()]
 
     def setup(self, stage: str) -> None:
         strategy = type(self.trainer.strategy).__name__
@@ -186,9 +197,8 @@ class PackedCausalLM(LightningModule):
             self._compiled = True
 
     def _check_token_ids(self) -> None:
-        """Refuse data whose token ids fall outside the embedding table (once, from the data module's max id)."""
-        datamodule = getattr(self.trainer, "datamodule", None)
-        low, high = getattr(datamodule, "token_id_range", (0, 0))
+        """Refuse data whose token ids fall outside the embedding table (once, from the data's max id)."""
+        low, high = self._data.token_id_range if self._data is not None else (0, 0)
         rows = self.hf_model.get_input_embeddings().num_embeddings
         if low < 0 or high >= rows:
             raise DataError(
@@ -199,7 +209,7 @@ class PackedCausalLM(LightningModule):
 
     def on_train_start(self) -> None:
         if self.hparams.memory_check:
-            self.memory_estimate = check_fit_memory(self)
+            self.memory_estimate = check_fit_memory(self, self._data.largest_step() if self._data else None)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.hparams.compile:  # graphs compiled after the first step: shape changes that cost a recompile
@@ -320,10 +330,9 @@ class PackedCausalLM(LightningModule):
         return False
 
     def _name_rows(self, rows: list[int]) -> str:
-        """The examples' rows as the user counts them (the data module knows the source), else their indices."""
-        name_rows = getattr(getattr(self.trainer, "datamodule", None), "name_rows", None)
-        if name_rows is not None:
-            return name_rows(rows)
+        """The examples' rows as the user counts them (the data knows the source), else their indices."""
+        if self._data is not None:
+            return self._data.name_rows(rows)
         return f"rows {', '.join(map(str, rows))}" if rows else "not recorded"
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
@@ -397,7 +406,7 @@ class PackedCausalLM(LightningModule):
                 f"the run diverged: lower model.lr or set trainer.gradient_clip_val, and train again"
             )
         self.model.save_pretrained(path)
-        tokenizer = getattr(self._trainer.datamodule, "tokenizer", None) if self._trainer is not None else None
+        tokenizer = self._data.tokenizer if self._data is not None else None
         if tokenizer is None and self.hparams.model_config is None:
             with contextlib.suppress(Exception):  # a tokenizer is a nicety here: the weights are what matters
                 from transformers import AutoTokenizer
@@ -478,12 +487,13 @@ def _check_settings(hp: Mapping[str, Any]) -> None:
 
 
 def _backend_here(backend: str, device: torch.device | str) -> str:
-    """`resolve_backend`, raising a `ConfigError` that lists the backends this device can run."""
+    """`resolve_backend`, its `ConfigError` naming `model.attn_backend` and the backends this device can run."""
     try:
         return resolve_backend(backend, device)
-    except ValueError as error:
+    except ConfigError as error:
         usable = ", ".join(available_backends(device))
-        raise ConfigError("model.attn_backend", str(error), f"on {device} these run: auto, {usable}") from None
+        fix = f"{error.fix}; on {device} these run: auto, {usable}"
+        raise ConfigError(error.setting, error.problem, fix, {"attn_backend": "model.attn_backend"}) from None
 
 
 def _apply_umask(folder: str) -> None:

@@ -30,15 +30,12 @@ from lit_packing.batch import (
     POSITION_IDS,
     is_packed,
 )
-from lit_packing.models.attention import last_kernel_dtype, reset_kernel_dtype
+from lit_packing.errors import IsolationError
+from lit_packing.models.attention import observe_kernel_dtypes
 
 # Allowed max |packed - per-example| of the logits, relative to max(1, max |logits|), by compute dtype. Packed and
 # per-example fp32 agree to ~1e-6 (different kernels, same math); examples that see each other differ by far more.
 ISOLATION_RTOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
-
-
-class IsolationError(RuntimeError):
-    """Packed examples are not isolated from each other (or the packed batch is malformed)."""
 
 
 def check_packed_batch(batch: Mapping[str, Any]) -> None:
@@ -176,9 +173,9 @@ def check_isolation(
     was_training = model.training
     model.eval()
     try:
-        reset_kernel_dtype()
-        packed = model(**small, use_cache=False).logits[0].float()  # (T, V)
-        kernel_dtype = last_kernel_dtype()
+        with observe_kernel_dtypes() as seen:
+            packed = model(**small, use_cache=False).logits[0].float()  # (T, V)
+        kernel_dtype = seen[-1] if seen else None
         with attn_implementation_set(base, reference):
             alone = []
             for start, end in zip(cu[:-1], cu[1:]):

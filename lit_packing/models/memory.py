@@ -1,6 +1,6 @@
 """Predict a training step's peak memory before the first step, and stop a fit that cannot fit.
 
-    estimate = estimate_step_memory(lm, step=largest_step(datamodule))   # PackedCausalLM does this at train start
+    estimate = estimate_step_memory(lm, step=data.largest_step())   # PackedCausalLM does this at train start
     estimate.check()                                                      # MemoryError naming the knobs
 
 The prediction adds, to what the process already holds (CPU: resident memory; CUDA: allocated memory, the weights
@@ -35,8 +35,8 @@ from lit_packing.batch import (
     MAX_LENGTH_Q,
     POSITION_IDS,
 )
-from lit_packing.data.collate import PaddedCollator, _padded_length
-from lit_packing.errors import LitPackingError
+from lit_packing.data.collate import StepShape
+from lit_packing.errors import StepMemoryError
 
 log = logging.getLogger(__name__)
 
@@ -45,63 +45,6 @@ PROBE_LENGTHS = (64, 128, 256)
 # Bytes per logit while the loss runs: the head's output, the fp32 upcast (or the bf16 gradient under autocast),
 # the log-softmax kept for backward, its fp32 gradient.
 LOGIT_BYTES = 16
-
-
-class StepMemoryError(LitPackingError, MemoryError):
-    """The predicted peak memory of the largest step exceeds what the device has (printed alone by the CLI)."""
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """The largest micro-batch of a plan: what it computes and its attention cost.
-
-    Attributes:
-        slot_tokens: tokens computed, padding included (rows x width when padded).
-        attn_pairs: sum(L^2) packed, rows x width^2 padded.
-        rows: batch rows (1 when packed).
-        width: row length.
-        padded: a padded batch (2D attention mask) rather than a packed row.
-    """
-
-    slot_tokens: int
-    attn_pairs: int
-    rows: int
-    width: int
-    padded: bool = False
-
-    def describe(self) -> str:
-        if self.padded:
-            return f"{self.rows} padded rows x {self.width:,} tokens = {self.slot_tokens:,} slots"
-        return f"{self.slot_tokens:,} tokens in one packed row"
-
-
-def largest_step(datamodule: Any) -> StepShape | None:
-    """The micro-batch of the training plan that needs the most memory, from the sampler's `plan()` and the
-    collator's padding (no batch is built); None when the data module has no plan to read."""
-    sampler = getattr(datamodule, "train_sampler", None)
-    if sampler is None or not hasattr(sampler, "plan"):
-        return None
-    plan = sampler.plan()
-    if len(plan) == 0:
-        return None
-    collator = datamodule.collator(datamodule.pad_token_id)
-    lengths = plan.tokens
-    starts = plan.offsets[:-1]
-    nonempty = plan.examples_per_pack() > 0
-    if isinstance(collator, PaddedCollator):
-        width = np.zeros(len(plan), dtype=np.int64)
-        width[nonempty] = np.maximum.reduceat(lengths, starts[nonempty])
-        width = np.array([_padded_length(max(int(w), 1), collator.pad_to_multiple_of, None) for w in width])
-        rows = np.maximum(plan.examples_per_pack(), 1)
-        p = int(np.argmax(rows * width))
-        return StepShape(int(rows[p] * width[p]), int(rows[p] * width[p] ** 2), int(rows[p]), int(width[p]), True)
-    tokens = plan.tokens_per_pack()
-    p = int(np.argmax(tokens))
-    slots = _padded_length(max(int(tokens[p]), 1), collator.pad_to_multiple_of, collator.bucket_sizes)
-    row = getattr(collator, "row_length", None) if not getattr(collator, "isolate", True) else None
-    pairs = (slots // row) * row**2 + (slots % row) ** 2 if row else int(plan.sq_tokens_per_pack()[p])
-    pairs += (slots - int(tokens[p])) ** 2  # tail padding is one more segment
-    return StepShape(slots, pairs, 1, slots)
 
 
 @dataclass(frozen=True)
@@ -273,13 +216,13 @@ def estimate_step_memory(lm: Any, step: StepShape, precision: str) -> MemoryEsti
     )
 
 
-def check_fit_memory(lm: Any) -> MemoryEstimate | None:
-    """At train start: predict the largest step's peak memory, log it, and raise when it will not fit.
+def check_fit_memory(lm: Any, step: StepShape | None) -> MemoryEstimate | None:
+    """At train start: predict the peak memory of the largest step (the data's `largest_step()`), log it, and
+    raise when it will not fit.
 
     Every rank reads the same plan, so every rank reaches the same verdict without a collective.
     """
     trainer = lm.trainer
-    step = largest_step(trainer.datamodule) if trainer.datamodule is not None else None
     if step is None:
         log.info("memory estimate skipped: the training data has no packing plan to read the largest step from")
         return None

@@ -1,6 +1,6 @@
 """Batch samplers: lengths in, one list of dataset indices per micro-step on this rank out."""
 
-from lit_packing.samplers.base import PackPlan, PlannedBatchSampler, deal
+from lit_packing.samplers.base import PackPlan, PlannedBatchSampler, RunContext, TokenBudgetSampler, deal
 from lit_packing.samplers.best_fit import BestFitPackingSampler, best_fit_packs
 from lit_packing.samplers.fixed_length import FixedLengthPackingSampler, fixed_length_rows
 from lit_packing.samplers.length_grouped import LengthGroupedSampler
@@ -16,7 +16,9 @@ __all__ = [
     "PackPlan",
     "PlannedBatchSampler",
     "RandomBatchSampler",
+    "RunContext",
     "SequentialPackingSampler",
+    "TokenBudgetSampler",
     "best_fit_packs",
     "deal",
     "fixed_length_rows",

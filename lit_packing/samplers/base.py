@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from lit_packing.batch import Pack, step_totals
+from lit_packing.errors import ConfigError, check_range
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,20 +94,48 @@ def deal(n_packs: int, world_size: int, drop_last: bool = False) -> np.ndarray:
     return schedule.reshape(steps, world_size)
 
 
-class PlannedBatchSampler(Sampler[list]):
-    """Base of every sampler: validation, rank resolution, per-epoch plan cache, dealing, resumable iteration.
+@dataclass(frozen=True)
+class RunContext:
+    """What a sampler learns from the run it is part of, handed over once by ``PlannedBatchSampler.connect``.
 
-    Subclasses implement ``_build_plan(epoch, rng) -> PackPlan``; everything else lives here.
+    A field fills a sampler setting only where the sampler was not given one: a seed set on the sampler wins over the
+    run's seed, cost coefficients set on ``MultipackSampler`` win over the model's. None leaves a setting as it is.
+
+    Attributes:
+        seed: the run's data seed.
+        rank: this process's data-parallel rank.
+        world_size: the number of data-parallel ranks.
+        accumulate: micro-batches per optimizer step (gradient accumulation).
+        cost_coefficients: the model's training FLOPs per token and per attended pair (``lit_packing.cost``).
+        label_counter: the trained tokens of each item, so that every pack carries its optimizer step's totals.
+    """
+
+    seed: int | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    accumulate: int | None = None
+    cost_coefficients: tuple[float, float] | None = None
+    label_counter: Callable[[list], list[int]] | None = None
+
+
+class PlannedBatchSampler(Sampler[list]):
+    """Base of every sampler: its shared settings, rank resolution, per-epoch plan cache, dealing, resumable iteration.
+
+    A strategy is a subclass that implements ``_build_plan(epoch, rng) -> PackPlan`` and declares only its own
+    settings, passing the rest on (``def __init__(self, lengths, batch_size=8, **common)``). Settings left None
+    here are filled by the run (``connect``), else take the stated default.
 
     Args:
         lengths: (n,) tokens per example.
-        seed: base of the per-epoch random stream ``np.random.default_rng([seed, epoch])``.
+        seed: base of the per-epoch random stream ``np.random.default_rng([seed, epoch])``; None: the run's seed
+            (``data.seed`` in the data module), else 0.
         shuffle: randomise the plan per epoch; False gives the same plan every epoch.
         drop_last: drop the packs that do not fill the last step on every rank (and, for the batch samplers, the
             last incomplete batch; for ``FixedLengthPackingSampler``, the last short row). Default False: nothing
             is dropped, missing packs of the last step are empty packs ``[]``.
-        rank: this process's rank; None reads ``torch.distributed`` when initialised, else 0.
-        world_size: number of ranks; None reads ``torch.distributed`` when initialised, else 1.
+        rank: this process's rank; None: the run's, else ``torch.distributed`` when initialised, else 0.
+        world_size: number of ranks; None: the run's, else ``torch.distributed`` when initialised, else 1.
+        accumulate: micro-batches per optimizer step (``trainer.accumulate_grad_batches``); None: the run's, else 1.
     """
 
     _cache_size = 2  # the current epoch, plus one other a report may ask for
@@ -115,35 +144,38 @@ class PlannedBatchSampler(Sampler[list]):
         self,
         lengths: np.ndarray,
         *,
-        seed: int = 0,
+        seed: int | None = None,
         shuffle: bool = True,
         drop_last: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
+        accumulate: int | None = None,
     ) -> None:
         super().__init__()
         lengths = np.asarray(lengths)
         if lengths.ndim != 1 or (lengths.size and not np.issubdtype(lengths.dtype, np.integer)):
-            raise ValueError(
-                f"lengths must be a 1-D array of integer token counts, got shape {lengths.shape} "
-                f"and dtype {lengths.dtype}"
+            raise ConfigError(
+                "lengths",
+                f"must be a 1-D array of integer token counts, got shape {lengths.shape} and dtype {lengths.dtype}",
             )
         if lengths.size and lengths.min() < 0:
             i = int(np.argmin(lengths))
-            raise ValueError(f"lengths must be >= 0: example {i} has {lengths[i]} tokens")
-        if seed < 0:
-            raise ValueError(f"seed must be >= 0, got {seed}")
+            raise ConfigError("lengths", f"must be >= 0: example {i} has {lengths[i]} tokens")
+        check_range("seed", seed, 0)
+        check_range("accumulate", accumulate, 1)
         self.lengths = lengths.astype(np.int64, copy=False)
-        self.seed = int(seed)
         self.shuffle = shuffle
         self.drop_last = drop_last
+        # The settings the caller chose; `connect` fills only the others.
+        self.given = {k: v for k, v in (("seed", seed), ("rank", rank), ("world_size", world_size),
+                                        ("accumulate", accumulate)) if v is not None}  # fmt: skip
+        self.seed = int(seed) if seed is not None else 0
         self._rank = rank
         self._world_size = world_size
-        self.epoch = 0
-        # Set by the data module: micro-batches per optimizer step (trainer.accumulate_grad_batches), and a function
-        # giving the trained tokens of each item, with which every pack holds its optimizer step's totals.
-        self.accumulate = 1
+        self.accumulate = accumulate if accumulate is not None else 1  # micro-batches per optimizer step
+        # Trained tokens of each item, with which every pack holds its optimizer step's totals (see `connect`).
         self.label_counter: Callable[[list], list[int]] | None = None
+        self.epoch = 0
         self._yielded = 0  # batches of the current epoch handed out (the position when no trainer reports one)
         # After load_state_dict: where passes over this epoch start, until one pass completes. Kept across several
         # iter() calls, because a DataLoader may start (and prefetch from) an iterator it then throws away.
@@ -151,8 +183,29 @@ class PlannedBatchSampler(Sampler[list]):
         # After a resume onto another world size / accumulation: (steps trained before, pack ids still to train).
         self._elastic: tuple[int, np.ndarray] | None = None
         self._plans: OrderedDict[tuple[int, int], PackPlan] = OrderedDict()
+        self._check_rank()
+
+    def connect(self, context: RunContext) -> PlannedBatchSampler:
+        """Take what the run knows (once, before the first plan): every setting the caller left None, the label
+        counter, and what a subclass reads of the context (``_connect``). Returns the sampler."""
+        for name in ("seed", "rank", "world_size", "accumulate"):
+            value = getattr(context, name)
+            if value is not None and name not in self.given:
+                setattr(self, {"rank": "_rank", "world_size": "_world_size"}.get(name, name), value)
+        check_range("accumulate", self.accumulate, 1)
+        self._check_rank()
+        if context.label_counter is not None:
+            self.label_counter = context.label_counter
+        self._connect(context)
+        self._plans.clear()
+        return self
+
+    def _connect(self, context: RunContext) -> None:
+        """What a strategy takes from the run besides the shared settings (e.g. ``MultipackSampler``'s costs)."""
+
+    def _check_rank(self) -> None:
         if self.rank >= self.world_size:
-            raise ValueError(f"rank={self.rank} must be < world_size={self.world_size}")
+            raise ConfigError("rank", f"must be < world_size={self.world_size}, got {self.rank}")
 
     @property
     def rank(self) -> int:
@@ -300,21 +353,24 @@ class PlannedBatchSampler(Sampler[list]):
         are dealt again for the new layout and the epoch continues; the next epoch is planned as usual.
 
         Raises:
-            ValueError: the checkpoint was taken with another seed, dataset or sampler setting.
+            ConfigError: the checkpoint was taken with another seed, dataset or sampler setting.
         """
         if int(state["seed"]) != self.seed:
-            raise ValueError(
+            raise ConfigError(
+                "seed",
                 f"the checkpoint's data position was saved with seed={state['seed']} but this run uses "
-                f"seed={self.seed}: resume with the same data.seed (or start a new run without --ckpt_path)"
+                f"seed={self.seed}",
+                "resume with the same {seed} (or start a new run without {ckpt_path})",
             )
         self.set_epoch(int(state["epoch"]))
         self._elastic = None
         if state["fingerprint"] != self.fingerprint():
-            raise ValueError(
+            raise ConfigError(
+                "sampler",
                 f"the checkpoint's data position belongs to another plan than {self!r} makes for epoch "
-                f"{self.epoch}: the dataset (data.source, data.limit, data.max_length, the tokenizer) or the sampler "
-                f"(data.sampler and its init_args) changed since it was saved. Resume with the same data settings, "
-                f"or start a new run without --ckpt_path"
+                f"{self.epoch}: the dataset ({{source}}, {{limit}}, {{max_length}}, {{tokenizer}}) or the sampler "
+                f"and its settings changed since it was saved",
+                "resume with the same data settings, or start a new run without {ckpt_path}",
             )
         steps = int(state["steps_done"])
         elastic = state.get("elastic")
@@ -344,15 +400,34 @@ class PlannedBatchSampler(Sampler[list]):
         )
 
 
+class TokenBudgetSampler(PlannedBatchSampler):
+    """Base of the strategies that fill packs up to a token budget: every example must fit in one pack.
+
+    Args:
+        lengths: (n,) tokens per example, each <= ``max_tokens`` (else a ``ConfigError`` naming the example).
+        max_tokens: token budget of one pack (one micro-step on one rank).
+        **common: ``seed``, ``shuffle``, ``drop_last``, ``rank``, ``world_size``, ``accumulate``: see
+            ``PlannedBatchSampler``.
+    """
+
+    def __init__(self, lengths: np.ndarray, max_tokens: int = 4096, **common: Any) -> None:
+        super().__init__(lengths, **common)
+        check_max_tokens(self.lengths, max_tokens)
+        self.max_tokens = max_tokens
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, max_tokens={self.max_tokens})"
+
+
 def check_max_tokens(lengths: np.ndarray, max_tokens: int) -> None:
-    """Raise a ValueError naming the first example over the token budget and the settings that fix it."""
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    """Raise a ``ConfigError`` naming the first example over the token budget and the settings that fix it."""
+    check_range("max_tokens", max_tokens, 1)
     over = np.flatnonzero(lengths > max_tokens)
     if over.size:
         i = int(over[0])
         more = f" ({over.size:,} examples over budget, longest {int(lengths.max()):,} tokens)" if over.size > 1 else ""
-        raise ValueError(
-            f"example {i} has {int(lengths[i]):,} tokens > max_tokens={max_tokens:,}{more}: raise sampler max_tokens "
-            f"(data.sampler.init_args.max_tokens) or set data.max_length <= {max_tokens:,} with data.overlong=truncate"
+        raise ConfigError(
+            "max_tokens",
+            f"example {i} has {int(lengths[i]):,} tokens > max_tokens={max_tokens:,}{more}",
+            f"raise {{max_tokens}}, or set {{max_length}} <= {max_tokens:,} with {{overlong}}=truncate",
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from lit_packing.samplers import kernels
-from lit_packing.samplers.base import PackPlan, PlannedBatchSampler, check_max_tokens
+from lit_packing.samplers.base import PackPlan, TokenBudgetSampler
 
 
 def best_fit_packs(
@@ -40,7 +40,7 @@ def best_fit_packs(
     return order[by_pack], offsets
 
 
-class BestFitPackingSampler(PlannedBatchSampler):
+class BestFitPackingSampler(TokenBudgetSampler):
     """Packs of at most ``max_tokens`` tokens, planned by best-fit-decreasing over the whole dataset.
 
     Fill is typically within 0.1% of the lower bound ``ceil(sum(lengths) / max_tokens)`` for long-tailed length
@@ -49,25 +49,11 @@ class BestFitPackingSampler(PlannedBatchSampler):
     so ``len()`` is the same every epoch. See ``best_fit_packs`` for a worked example.
 
     Args:
-        lengths: (n,) tokens per example, each <= ``max_tokens`` (else ValueError naming the example).
+        lengths: (n,) tokens per example, each <= ``max_tokens``.
         max_tokens: token budget of one pack (one micro-step on one rank).
-        seed, shuffle, drop_last, rank, world_size: see ``PlannedBatchSampler``.
+        **common: ``seed``, ``shuffle``, ``drop_last``, ``rank``, ``world_size``, ``accumulate``: see
+            ``PlannedBatchSampler``.
     """
-
-    def __init__(
-        self,
-        lengths: np.ndarray,
-        max_tokens: int = 4096,
-        *,
-        seed: int = 0,
-        shuffle: bool = True,
-        drop_last: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-    ) -> None:
-        super().__init__(lengths, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size)
-        check_max_tokens(self.lengths, max_tokens)
-        self.max_tokens = max_tokens
 
     def _build_plan(self, epoch: int, rng: np.random.Generator) -> PackPlan:
         items, offsets = best_fit_packs(self.lengths, self.max_tokens, rng if self.shuffle else None)

@@ -7,8 +7,11 @@ Usage: ``FixedLengthPackingSampler(lengths, max_tokens=2048)``; the dataset's ``
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from lit_packing.errors import check_range
 from lit_packing.samplers.base import PackPlan, PlannedBatchSampler
 
 
@@ -57,28 +60,16 @@ class FixedLengthPackingSampler(PlannedBatchSampler):
         lengths: (n,) tokens per example; examples longer than ``max_tokens`` are simply split over several rows.
         max_tokens: tokens per row.
         rows_per_step: rows flattened into one step.
-        seed, shuffle, drop_last, rank, world_size: see ``PlannedBatchSampler``.
+        **common: ``seed``, ``shuffle``, ``drop_last``, ``rank``, ``world_size``, ``accumulate``: see
+            ``PlannedBatchSampler``.
     """
 
-    def __init__(
-        self,
-        lengths: np.ndarray,
-        max_tokens: int = 2048,
-        rows_per_step: int = 1,
-        *,
-        seed: int = 0,
-        shuffle: bool = True,
-        drop_last: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-    ) -> None:
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if rows_per_step < 1:
-            raise ValueError(f"rows_per_step must be >= 1, got {rows_per_step}")
+    def __init__(self, lengths: np.ndarray, max_tokens: int = 2048, rows_per_step: int = 1, **common: Any) -> None:
+        check_range("max_tokens", max_tokens, 1)
+        check_range("rows_per_step", rows_per_step, 1)
         self.max_tokens = max_tokens
         self.rows_per_step = rows_per_step
-        super().__init__(lengths, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size)
+        super().__init__(lengths, **common)
 
     def _build_plan(self, epoch: int, rng: np.random.Generator) -> PackPlan:
         order = self._order(rng)

@@ -5,13 +5,16 @@ Usage: ``LengthGroupedSampler(lengths, batch_size=8, mega_batch_mult=50)``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from lit_packing.samplers.base import PackPlan, PlannedBatchSampler
-from lit_packing.samplers.random_batch import batch_offsets
+from lit_packing.errors import check_range
+from lit_packing.samplers.base import PackPlan
+from lit_packing.samplers.random_batch import RandomBatchSampler, batch_offsets
 
 
-class LengthGroupedSampler(PlannedBatchSampler):
+class LengthGroupedSampler(RandomBatchSampler):
     """Random mega-batches of ``batch_size * mega_batch_mult`` examples, each sorted by length, cut into batches.
 
     As Hugging Face's ``group_by_length``: the order is shuffled, cut into mega-batches, each mega-batch sorted by
@@ -29,26 +32,14 @@ class LengthGroupedSampler(PlannedBatchSampler):
         lengths: (n,) tokens per example.
         batch_size: examples per step per rank.
         mega_batch_mult: mega-batch size in batches; larger groups lengths more tightly but less randomly.
-        seed, shuffle, drop_last, rank, world_size: see ``PlannedBatchSampler``.
+        **common: ``seed``, ``shuffle``, ``drop_last``, ``rank``, ``world_size``, ``accumulate``: see
+            ``PlannedBatchSampler``.
     """
 
-    def __init__(
-        self,
-        lengths: np.ndarray,
-        batch_size: int = 8,
-        mega_batch_mult: int = 50,
-        *,
-        seed: int = 0,
-        shuffle: bool = True,
-        drop_last: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-    ) -> None:
-        if batch_size < 1 or mega_batch_mult < 1:
-            raise ValueError(f"batch_size and mega_batch_mult must be >= 1, got {batch_size} and {mega_batch_mult}")
-        self.batch_size = batch_size
+    def __init__(self, lengths: np.ndarray, batch_size: int = 8, mega_batch_mult: int = 50, **common: Any) -> None:
+        check_range("mega_batch_mult", mega_batch_mult, 1)
         self.mega_batch_mult = mega_batch_mult
-        super().__init__(lengths, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size)
+        super().__init__(lengths, batch_size, **common)
 
     def _build_plan(self, epoch: int, rng: np.random.Generator) -> PackPlan:
         order = self._order(rng)

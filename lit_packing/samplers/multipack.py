@@ -12,16 +12,19 @@ chosen among packs of similar cost and spread over the ranks so that the slowest
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
-from lightning.pytorch.utilities import rank_zero_info
 
 from lit_packing.cost import SMOLLM2_135M_SHAPE, flop_coefficients
+from lit_packing.errors import ConfigError
 from lit_packing.samplers import kernels
-from lit_packing.samplers.base import PackPlan, PlannedBatchSampler, check_max_tokens
+from lit_packing.samplers.base import PackPlan, PlannedBatchSampler, RunContext, TokenBudgetSampler
 from lit_packing.samplers.best_fit import best_fit_packs
+
+log = logging.getLogger(__name__)
 
 Balance = Literal["compute", "tokens"]
 
@@ -72,7 +75,18 @@ class _SeededPlan(PackPlan):
     deal_seed: int = 0
 
 
-class MultipackSampler(PlannedBatchSampler):
+def _checked_costs(given: tuple[float, float]) -> tuple[float, float]:
+    values = np.asarray(given, dtype=np.float64)
+    if values.shape != (2,) or not np.isfinite(values).all() or (values < 0).any() or not values.any():
+        raise ConfigError(
+            "cost_coefficients",
+            f"{given!r}: need two finite numbers >= 0, not both 0 (FLOPs per token, per attended pair)",
+            "fix it or leave it null (the model's own are used)",
+        )
+    return float(values[0]), float(values[1])
+
+
+class MultipackSampler(TokenBudgetSampler):
     """Best-fit packs of at most ``max_tokens`` tokens, dealt so that ranks finish each optimizer step together.
 
     Packs are planned exactly as ``BestFitPackingSampler`` does (same fill, same pack count). Dealing: packs are
@@ -89,14 +103,14 @@ class MultipackSampler(PlannedBatchSampler):
     rank several packs per step to balance, which evens out the steps further.
 
     Args:
-        lengths: (n,) tokens per example, each <= ``max_tokens`` (else ValueError naming the example).
+        lengths: (n,) tokens per example, each <= ``max_tokens``.
         max_tokens: token budget of one pack (one micro-step on one rank).
         balance: ``compute``: even out ``a * L + b * L^2`` (matmuls + attention); ``tokens``: even out tokens only.
         cost_coefficients: ``(a, b)`` FLOPs per token and per attended (query, key) pair, as
-            ``lit_packing.batch.flop_coefficients`` computes them (the data module passes the
-            attached model's ``PackedCausalLM.cost_coefficients``). None with ``balance="compute"``: SmolLM2-135M's
-            (``a = 8.07e8``, ``b = 2.07e5``), logged. Ignored with ``balance="tokens"``.
-        seed, shuffle, drop_last, rank, world_size: see ``PlannedBatchSampler``.
+            ``lit_packing.cost.flop_coefficients`` computes them. None: the run's model's (``RunContext``), else
+            SmolLM2-135M's (``a = 8.07e8``, ``b = 2.07e5``), logged. Ignored with ``balance="tokens"``.
+        **common: ``seed``, ``shuffle``, ``drop_last``, ``rank``, ``world_size``, ``accumulate``: see
+            ``PlannedBatchSampler``.
     """
 
     def __init__(
@@ -106,38 +120,36 @@ class MultipackSampler(PlannedBatchSampler):
         *,
         balance: Balance = "compute",
         cost_coefficients: tuple[float, float] | None = None,
-        seed: int = 0,
-        shuffle: bool = True,
-        drop_last: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
+        **common: Any,
     ) -> None:
-        super().__init__(lengths, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size)
-        check_max_tokens(self.lengths, max_tokens)
-        self.max_tokens = max_tokens
+        if balance not in ("compute", "tokens"):
+            raise ConfigError("balance", f"{balance!r} is not a choice", "use compute or tokens")
+        super().__init__(lengths, max_tokens, **common)
         self.balance = balance
-        self.cost_coefficients = self._coefficients(balance, cost_coefficients)
+        self._given_costs = None if cost_coefficients is None else _checked_costs(cost_coefficients)
+        self._run_costs: tuple[float, float] | None = None
 
-    @staticmethod
-    def _coefficients(balance: str, given: tuple[float, float] | None) -> tuple[float, float]:
-        if balance == "tokens":
+    def _connect(self, context: RunContext) -> None:
+        if context.cost_coefficients is not None:
+            self._run_costs = _checked_costs(context.cost_coefficients)
+
+    @property
+    def cost_coefficients(self) -> tuple[float, float]:
+        """``(a, b)`` in use: ``(1, 0)`` balancing tokens; else given, else the run's model's, else SmolLM2-135M's."""
+        if self.balance == "tokens":
             return 1.0, 0.0
-        if balance != "compute":
-            raise ValueError(f"balance={balance!r}: use compute or tokens (data.sampler.init_args.balance)")
-        if given is None:
-            per_token, per_pair = flop_coefficients(SMOLLM2_135M_SHAPE)
-            rank_zero_info(
-                f"MultipackSampler: no cost_coefficients given, balancing with SmolLM2-135M's FLOPs per token "
-                f"{per_token:.3g} and per attended pair {per_pair:.3g} (data.sampler.init_args.cost_coefficients)"
+        if self._given_costs is not None or self._run_costs is not None:
+            return self._given_costs or self._run_costs
+        per_token, per_pair = flop_coefficients(SMOLLM2_135M_SHAPE)
+        if not getattr(self, "_told_default", False):
+            log.info(
+                "MultipackSampler: no cost_coefficients given, balancing with SmolLM2-135M's FLOPs per token "
+                "%.3g and per attended pair %.3g (set cost_coefficients for another model)",
+                per_token,
+                per_pair,
             )
-            return per_token, per_pair
-        values = np.asarray(given, dtype=np.float64)
-        if values.shape != (2,) or not np.isfinite(values).all() or (values < 0).any() or not values.any():
-            raise ValueError(
-                f"cost_coefficients={given!r}: need two finite numbers >= 0, not both 0, (FLOPs per token, per "
-                f"attended pair): fix data.sampler.init_args.cost_coefficients or leave it null"
-            )
-        return float(values[0]), float(values[1])
+            self._told_default = True
+        return per_token, per_pair
 
     def _build_plan(self, epoch: int, rng: np.random.Generator) -> PackPlan:
         items, offsets = best_fit_packs(self.lengths, self.max_tokens, rng if self.shuffle else None)
@@ -146,8 +158,6 @@ class MultipackSampler(PlannedBatchSampler):
     def _deal(self, plan: PackPlan, pack_ids: np.ndarray, world_size: int) -> np.ndarray:
         """Packs sorted by cost, cut into optimizer steps, each balanced over the ranks (``kernels.balance_steps``),
         then the whole steps shuffled; seeded by the plan, so every rank deals the same. See the class docstring."""
-        if self.accumulate < 1:
-            raise ValueError(f"accumulate={self.accumulate}: trainer.accumulate_grad_batches must be >= 1")
         rng = np.random.default_rng([plan.deal_seed, len(pack_ids), world_size])
         costs = pack_costs(plan, self.cost_coefficients)[pack_ids]
         if self.drop_last and len(pack_ids) % world_size:
@@ -164,7 +174,4 @@ class MultipackSampler(PlannedBatchSampler):
         return schedule
 
     def __repr__(self) -> str:
-        return (
-            f"{super().__repr__()[:-1]}, max_tokens={self.max_tokens}, balance={self.balance}, "
-            f"cost_coefficients={self.cost_coefficients})"
-        )
+        return f"{super().__repr__()[:-1]}, balance={self.balance}, cost_coefficients={self.cost_coefficients})"

@@ -6,8 +6,11 @@ Usage: ``RandomBatchSampler(lengths, batch_size=8)``; in YAML
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from lit_packing.errors import check_range
 from lit_packing.samplers.base import PackPlan, PlannedBatchSampler
 
 
@@ -34,24 +37,14 @@ class RandomBatchSampler(PlannedBatchSampler):
     Args:
         lengths: (n,) tokens per example (only its size matters here).
         batch_size: examples per step per rank.
-        seed, shuffle, drop_last, rank, world_size: see ``PlannedBatchSampler``.
+        **common: ``seed``, ``shuffle``, ``drop_last``, ``rank``, ``world_size``, ``accumulate``: see
+            ``PlannedBatchSampler``.
     """
 
-    def __init__(
-        self,
-        lengths: np.ndarray,
-        batch_size: int = 8,
-        *,
-        seed: int = 0,
-        shuffle: bool = True,
-        drop_last: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-    ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    def __init__(self, lengths: np.ndarray, batch_size: int = 8, **common: Any) -> None:
+        check_range("batch_size", batch_size, 1)
         self.batch_size = batch_size
-        super().__init__(lengths, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size)
+        super().__init__(lengths, **common)
 
     def _build_plan(self, epoch: int, rng: np.random.Generator) -> PackPlan:
         order = self._order(rng)

@@ -5,13 +5,15 @@ Usage: ``SequentialPackingSampler(lengths, max_tokens=4096)``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from lit_packing.samplers import kernels
-from lit_packing.samplers.base import PackPlan, PlannedBatchSampler, check_max_tokens
+from lit_packing.samplers.base import PackPlan, TokenBudgetSampler
 
 
-class SequentialPackingSampler(PlannedBatchSampler):
+class SequentialPackingSampler(TokenBudgetSampler):
     """Walk the examples in order, filling the current pack until the next example does not fit (next-fit).
 
     Order-preserving, so ``shuffle=False`` is the default; ``shuffle=True`` next-fits a random permutation
@@ -24,25 +26,14 @@ class SequentialPackingSampler(PlannedBatchSampler):
     ``[[0], [1, 2], [3, 4]]`` of 6, 8 and 6 tokens (best-fit-decreasing needs 2, see ``BestFitPackingSampler``).
 
     Args:
-        lengths: (n,) tokens per example, each <= ``max_tokens`` (else ValueError naming the example).
+        lengths: (n,) tokens per example, each <= ``max_tokens``.
         max_tokens: token budget of one pack.
-        seed, shuffle, drop_last, rank, world_size: see ``PlannedBatchSampler``.
+        shuffle: next-fit a seeded permutation instead of data order (default False).
+        **common: ``seed``, ``drop_last``, ``rank``, ``world_size``, ``accumulate``: see ``PlannedBatchSampler``.
     """
 
-    def __init__(
-        self,
-        lengths: np.ndarray,
-        max_tokens: int = 4096,
-        *,
-        seed: int = 0,
-        shuffle: bool = False,
-        drop_last: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-    ) -> None:
-        super().__init__(lengths, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size)
-        check_max_tokens(self.lengths, max_tokens)
-        self.max_tokens = max_tokens
+    def __init__(self, lengths: np.ndarray, max_tokens: int = 4096, *, shuffle: bool = False, **common: Any) -> None:
+        super().__init__(lengths, max_tokens, shuffle=shuffle, **common)
 
     def _build_plan(self, epoch: int, rng: np.random.Generator) -> PackPlan:
         order = self._order(rng)

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_packing.callbacks import PackingMonitor, TokenThroughputMonitor
 from lit_packing.callbacks import throughput as throughput_module
+from lit_packing.contract import DataContract, DataModelConnection
 from lit_packing.cost import ModelShape, hardware_flops, model_flops, model_shape
 from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.models.loading import apply_lora
@@ -149,11 +150,15 @@ def test_gradient_accumulation_logs_once_per_optimizer_step_over_all_micro_batch
 
 
 class ReportingData(pl.LightningDataModule):
-    """Fixed batches and a tokenization report, as `PackingDataModule` exposes one."""
+    """Fixed batches and a tokenization report, published in a `DataContract` as `PackingDataModule` does."""
 
     def __init__(self, batches, report):
         super().__init__()
-        self.batches, self.report = batches, report
+        self.batches = batches
+        self.contract = DataContract(
+            tokenizer=None, pad_token_id=0, vocab_size=0, token_id_range=(0, 0), name_rows=str,
+            largest_step=lambda: None, report=report,
+        )  # fmt: skip
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(self.batches, batch_size=None, collate_fn=lambda b: b)
@@ -175,7 +180,7 @@ def test_dataset_counts_are_logged_once_and_truncation_per_step(tmp_path):
     trainer = pl.Trainer(
         max_epochs=1,
         logger=CSVLogger(tmp_path),
-        callbacks=[PackingMonitor()],
+        callbacks=[PackingMonitor(), DataModelConnection()],  # PackedCausalLM attaches the connection itself
         log_every_n_steps=1,
         enable_checkpointing=False,
         enable_progress_bar=False,

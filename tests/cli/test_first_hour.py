@@ -66,7 +66,7 @@ def test_quickstart_run_prints_steps_validates_at_the_end_and_keeps_one_checkpoi
 
 def test_a_run_that_fails_before_training_leaves_no_wandb_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=r"data\.val_split=64 examples leaves no training data out of 64"):
+    with pytest.raises(ValueError, match=r"data\.val_split: 64 examples leave no training data out of 64"):
         fit("--data.val_split=64")
     assert not (tmp_path / "runs" / "wandb").exists()
     assert not (tmp_path / "runs" / "checkpoints").exists()

@@ -45,7 +45,7 @@ def test_split_rows_is_deterministic_disjoint_and_complete():
     assert len(split_rows(10, 0.01, seed=7)[1]) == 1  # a positive fraction keeps at least one
     with pytest.raises(ValueError, match="use an int for a count"):
         split_rows(100, 1.5, seed=7)
-    with pytest.raises(ValueError, match="val_split=100 examples leaves no training data"):
+    with pytest.raises(ValueError, match="data.val_split: 100 examples leave no training data out of 100"):
         split_rows(100, 100, seed=7)
 
 
@@ -182,7 +182,7 @@ def test_without_a_test_split_test_scores_the_validation_examples_the_same_way(c
 
 
 def test_split_errors_name_the_settings_to_change():
-    with pytest.raises(ValueError, match=r"data\.val_split=32 examples leaves no training data out of 30.*0\.05"):
+    with pytest.raises(ValueError, match=r"data\.val_split: 32 examples leave no training data out of 30.*0\.05"):
         split_rows(30, 32, seed=0)
     assert len(split_rows(30, 0.02, seed=0)[1]) == 1  # a fraction adapts: at least one held out
     assert len(split_rows(1_000_000, 0.02, seed=0)[1]) == 20_000
@@ -215,17 +215,24 @@ def test_yaml_config_instantiates(cache_dir):
     assert batch["input_ids"].shape[1] % 64 == 0
     defaults = parser.instantiate(parser.parse_object({})).data
     assert isinstance(defaults.source, ChampChats)
-    # jsonargparse expands the default class into a partial holding every default, seed=0 included: the data
-    # module's seed still wins.
-    sampler = defaults._build_sampler(defaults.sampler, np.array([3, 5]))
+    # jsonargparse expands the default class into a partial holding every default (seed=None: unset), so the data
+    # module's seed fills it.
+    sampler = defaults._build_sampler("sampler", defaults.sampler, np.array([3, 5]))
     assert isinstance(sampler, BestFitPackingSampler) and (sampler.seed, sampler.max_tokens) == (42, 4096)
 
 
-def test_seed_only_goes_to_factories_that_take_it(chatterbot):
-    def no_seed(lengths, shuffle=True):
+def test_any_factory_gets_the_run_seed_unless_it_sets_one(chatterbot):
+    """A sampler factory need not take `seed`: the run context reaches the sampler it returns, through `connect`,
+    and fills the seed only where the factory left it unset."""
+
+    def unseeded(lengths, shuffle=True):
         return SequentialPackingSampler(lengths, max_tokens=4096, shuffle=shuffle)
 
-    assert chatterbot._build_sampler(no_seed, chatterbot.train_lengths).seed == 0
+    def seeded(lengths, shuffle=True):
+        return SequentialPackingSampler(lengths, max_tokens=4096, shuffle=shuffle, seed=0)
+
+    assert chatterbot._build_sampler("sampler", unseeded, chatterbot.train_lengths).seed == chatterbot.seed == 42
+    assert chatterbot._build_sampler("sampler", seeded, chatterbot.train_lengths).seed == 0
 
 
 class EpochRecorder(LightningModule):

@@ -3,40 +3,36 @@ real model and extrapolated, and a clear refusal when a step cannot fit."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
 
-from lit_packing.data.collate import PackedCollator, PaddedCollator
+from lit_packing.batch import COUNTS, INPUT_IDS
+from lit_packing.data.collate import PackedCollator, PaddedCollator, StepShape
 from lit_packing.models import PackedCausalLM
-from lit_packing.models.memory import (
-    StepShape,
-    activation_model,
-    estimate_step_memory,
-    largest_step,
-    saved_activation_bytes,
-)
-from lit_packing.samplers import BestFitPackingSampler, RandomBatchSampler
+from lit_packing.models.memory import activation_model, estimate_step_memory, saved_activation_bytes
+from lit_packing.samplers import BestFitPackingSampler, FixedLengthPackingSampler, RandomBatchSampler
 from tests.conftest import TINY_CONFIGS
 
 LENGTHS = np.array([100, 300, 50, 220, 180, 90, 400, 10])
 
 
-def data(sampler, collator) -> SimpleNamespace:
-    """What `largest_step` reads from a PackingDataModule: the built sampler, the collator factory, the pad id."""
-    return SimpleNamespace(train_sampler=sampler, collator=collator, pad_token_id=0)
+def largest_step(sampler, collator) -> StepShape:
+    """What the data module publishes as `DataContract.largest_step`: the collator's slots of the sampler's plan."""
+    return collator.plan_slots(sampler.plan()).largest()
 
 
 def test_largest_packed_step_is_the_fullest_pack():
     sampler = BestFitPackingSampler(LENGTHS, max_tokens=512, seed=0)
     packs = sampler.plan().packs()
     fullest = max(packs, key=lambda p: LENGTHS[p].sum())
-    step = largest_step(data(sampler, PackedCollator))
+    step = largest_step(sampler, PackedCollator())
     assert step == StepShape(int(LENGTHS[fullest].sum()), int((LENGTHS[fullest] ** 2).sum()), 1, step.width)
-    bucketed = largest_step(data(sampler, lambda pad: PackedCollator(pad, bucket_sizes=[256, 1024])))
-    assert bucketed.slot_tokens == 1024 and bucketed.attn_pairs == step.attn_pairs + (1024 - step.slot_tokens) ** 2
+    # Bucketed, several packs pad to 1,024 slots: the step with the most attention pairs among them (tail padding
+    # is one more segment) is the one that needs the most memory.
+    bucketed = largest_step(sampler, PackedCollator(bucket_sizes=[256, 1024]))
+    pairs = [(LENGTHS[p] ** 2).sum() + (1024 - LENGTHS[p].sum()) ** 2 for p in packs if LENGTHS[p].sum() > 256]
+    assert bucketed.slot_tokens == 1024 and bucketed.attn_pairs == max(pairs)
 
 
 def test_largest_padded_step_is_rows_times_longest():
@@ -44,9 +40,30 @@ def test_largest_padded_step_is_rows_times_longest():
     batches = sampler.plan().packs()
     cost = [len(b) * LENGTHS[b].max() for b in batches]
     worst = batches[int(np.argmax(cost))]
-    step = largest_step(data(sampler, PaddedCollator))
+    step = largest_step(sampler, PaddedCollator())
     assert step.padded and (step.rows, step.width) == (len(worst), int(LENGTHS[worst].max()))
     assert step.slot_tokens == max(cost) and step.attn_pairs == len(worst) * int(LENGTHS[worst].max()) ** 2
+
+
+@pytest.mark.parametrize(
+    "sampler, collator",
+    [
+        (BestFitPackingSampler(LENGTHS, max_tokens=512, seed=0), PackedCollator(pad_to_multiple_of=64)),
+        (BestFitPackingSampler(LENGTHS, max_tokens=512, seed=0), PackedCollator(bucket_sizes=[300, 600])),
+        (FixedLengthPackingSampler(LENGTHS, max_tokens=256, seed=0), PackedCollator(isolate=False, row_length=128)),
+        (RandomBatchSampler(LENGTHS, batch_size=3, seed=0), PaddedCollator(pad_to_multiple_of=8)),
+    ],
+)
+def test_plan_slots_equal_the_collated_batches_counts(sampler, collator):
+    """The slot and attention arithmetic read from a plan is what the collator's real batches count, pack by pack."""
+    slots = collator.plan_slots(sampler.plan())
+    for p, pack in enumerate(sampler.plan().packs()):
+        examples = [
+            {INPUT_IDS: list(range(1, 1 + (item[2] - item[1] if isinstance(item, tuple) else LENGTHS[item])))}
+            for item in pack
+        ]
+        counts = collator(examples)[COUNTS]
+        assert (counts["slot_tokens"], counts["attn_cost"]) == (slots.slots[p], slots.pairs[p])
 
 
 @pytest.mark.parametrize("padded", [False, True])

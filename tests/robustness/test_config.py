@@ -25,7 +25,7 @@ UNLOADABLE = "no/such-model-anywhere"
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"max_length": 1}, "data.max_length: must be >= 2, got 1"),
+        ({"max_length": 1}, "data.max_length: must be >= 2 to hold a trained token, got 1"),
         ({"limit": 0}, "data.limit: must be >= 1, got 0"),
         ({"seed": -1}, "data.seed: must be >= 0, got -1"),
         ({"num_workers": -1}, "data.num_workers: must be >= 0, got -1"),
@@ -36,7 +36,7 @@ UNLOADABLE = "no/such-model-anywhere"
         ({"val_split": math.nan}, "data.val_split: must be a finite number, got nan"),
         (
             {"sampler": functools.partial(BestFitPackingSampler, max_tokens=0)},
-            "data.sampler.init_args.max_tokens: max_tokens must be >= 1, got 0",
+            "data.sampler.init_args.max_tokens: must be >= 1, got 0",
         ),
         (
             {"val_sampler": functools.partial(RandomBatchSampler, batch_size=0)},
@@ -62,8 +62,8 @@ def test_data_settings_are_range_checked_at_construction(kwargs, message):
         ({"betas": (0.9, 1.0)}, "model.betas[1]: must be < 1, got 1.0"),
         ({"vocab_size": 0}, "model.vocab_size: must be >= 1, got 0"),
         ({"nonfinite": "ignore"}, "model.nonfinite: 'ignore' is not a policy; use error or skip"),
-        ({"attn_backend": "flash_attn"}, "model.attn_backend: attn_backend=flash_attn needs"),
-        ({"attn_backend": "torch_varlen"}, "model.attn_backend: attn_backend=torch_varlen needs"),
+        ({"attn_backend": "flash_attn"}, "model.attn_backend: flash_attn needs"),
+        ({"attn_backend": "torch_varlen"}, "model.attn_backend: torch_varlen needs"),
     ],
 )
 def test_model_settings_are_checked_before_the_model_loads(kwargs, message):
@@ -84,7 +84,7 @@ def test_cli_stops_before_tokenizing_and_exits_2(tmp_path, capsys):
         )
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "error: data.sampler.init_args.max_tokens: max_tokens must be >= 1, got 0"
+        "error: data.sampler.init_args.max_tokens: must be >= 1, got 0"
     )
     assert not cache.exists()  # nothing was loaded or tokenized
 

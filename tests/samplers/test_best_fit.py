@@ -7,6 +7,8 @@ import time
 import numpy as np
 import pytest
 
+from lit_packing.contract import setting_paths
+from lit_packing.errors import ConfigError
 from lit_packing.samplers import BestFitPackingSampler, SequentialPackingSampler, best_fit_packs, kernels
 
 
@@ -141,11 +143,16 @@ def test_plans_a_million_fast():
 def test_overlong_example_names_the_knob(cls):
     lengths = np.full(1000, 100)
     lengths[812] = 9000
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ConfigError) as err:
         cls(lengths, max_tokens=8192)
     assert str(err.value) == (
-        "example 812 has 9,000 tokens > max_tokens=8,192: raise sampler max_tokens "
-        "(data.sampler.init_args.max_tokens) or set data.max_length <= 8,192 with data.overlong=truncate"
+        "max_tokens: example 812 has 9,000 tokens > max_tokens=8,192; raise max_tokens, or set max_length <= 8,192 "
+        "with overlong=truncate"
+    )
+    # Built by the data module from `data.sampler`, every setting the message names carries its CLI path.
+    assert str(err.value.under(setting_paths("sampler", ["max_tokens"]))) == (
+        "data.sampler.init_args.max_tokens: example 812 has 9,000 tokens > max_tokens=8,192; raise "
+        "data.sampler.init_args.max_tokens, or set data.max_length <= 8,192 with data.overlong=truncate"
     )
     lengths[900] = 12000
     with pytest.raises(ValueError, match=r"example 812 has 9,000 tokens .*2 examples over budget, longest 12,000"):

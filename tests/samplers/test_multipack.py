@@ -13,10 +13,19 @@ from lightning.pytorch import Trainer
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_packing.assets import package_file
+from lit_packing.contract import ModelContract
 from lit_packing.cost import SMOLLM2_135M_SHAPE, flop_coefficients, model_shape
 from lit_packing.data import PackingDataModule
+from lit_packing.errors import ConfigError
 from lit_packing.models import PackedCausalLM
-from lit_packing.samplers import BestFitPackingSampler, MultipackSampler, kernels, pack_costs, straggler_factor
+from lit_packing.samplers import (
+    BestFitPackingSampler,
+    MultipackSampler,
+    RunContext,
+    kernels,
+    pack_costs,
+    straggler_factor,
+)
 
 MAX_TOKENS = 64
 COEFFICIENTS = (1.0, 0.5)  # small budgets: make the L^2 term count as much as at real scale
@@ -41,9 +50,7 @@ CASES = length_cases()
 
 def make(lengths, rank=0, world_size=1, accumulate=1, max_tokens=MAX_TOKENS, **kwargs) -> MultipackSampler:
     kwargs.setdefault("cost_coefficients", COEFFICIENTS)
-    sampler = MultipackSampler(lengths, max_tokens, rank=rank, world_size=world_size, **kwargs)
-    sampler.accumulate = accumulate
-    return sampler
+    return MultipackSampler(lengths, max_tokens, rank=rank, world_size=world_size, accumulate=accumulate, **kwargs)
 
 
 def run_epoch(lengths, world_size, accumulate=1, epoch=0, **kwargs) -> list[list[list[int]]]:
@@ -179,21 +186,33 @@ def test_balance_steps_kernel_matches_python_and_caps_micro_steps():
     assert kernels.balance_steps(np.zeros(4), 3, 1).tolist() == [[0, 1, 2], [3, -1, -1]]
 
 
-def test_bad_settings_name_the_knob(caplog):
-    with pytest.raises(ValueError, match="data.sampler.init_args.balance"):
+def test_bad_settings_name_the_knob(caplog, tmp_path):
+    """The sampler names its own parameter; built from a config by the data module, the CLI path."""
+    with pytest.raises(ConfigError, match="^balance: 'flops' is not a choice; use compute or tokens$"):
         MultipackSampler([10], 64, balance="flops")
     for bad in ((1.0,), (1.0, float("nan")), (-1.0, 2.0), (0.0, 0.0)):
-        with pytest.raises(ValueError, match="data.sampler.init_args.cost_coefficients"):
+        with pytest.raises(ConfigError, match="^cost_coefficients: "):
             MultipackSampler([10], 64, cost_coefficients=bad)
-    with pytest.raises(ValueError, match="data.sampler.init_args.max_tokens"):
+    with pytest.raises(ConfigError, match="^max_tokens: example 1 has 65 tokens > max_tokens=64"):
         MultipackSampler([10, 65], 64, cost_coefficients=COEFFICIENTS)
-    sampler = make([10, 20])
-    sampler.accumulate = 0
-    with pytest.raises(ValueError, match="trainer.accumulate_grad_batches"):
-        len(sampler)
+    with pytest.raises(ConfigError, match="^accumulate: must be >= 1, got 0"):
+        make([10, 20], accumulate=0)
+    with pytest.raises(ConfigError, match="^accumulate: must be >= 1, got 0"):
+        MultipackSampler([10, 20], 64).connect(RunContext(accumulate=0))
+    for init_args, path in (
+        ({"cost_coefficients": [0.0, 0.0]}, "data.sampler.init_args.cost_coefficients: "),
+        ({"max_tokens": 0}, "data.sampler.init_args.max_tokens: must be >= 1, got 0"),
+    ):
+        with pytest.raises(ConfigError, match=f"^{path}"):
+            multipack_data(str(tmp_path / "data"), **init_args)
+    dm = multipack_data(str(tmp_path / "data"))
+    dm.trainer = Trainer(accelerator="cpu", devices=1, accumulate_grad_batches=1, logger=False)
+    dm.trainer.accumulate_grad_batches = 0  # what the run passes on is checked where it lands, named by its path
+    with pytest.raises(ConfigError, match="^trainer.accumulate_grad_batches: must be >= 1, got 0"):
+        dm._build_sampler("sampler", dm.sampler, np.array([10, 20]), label_counter=lambda items: [1] * len(items))
     with caplog.at_level(logging.INFO):
         default = MultipackSampler([10], 64)
-    assert default.cost_coefficients == flop_coefficients(SMOLLM2_135M_SHAPE)
+        assert default.cost_coefficients == flop_coefficients(SMOLLM2_135M_SHAPE)
     assert "SmolLM2-135M" in caplog.text
 
 
@@ -208,8 +227,8 @@ def multipack_data(cache_dir: str, **init_args) -> PackingDataModule:
 
 
 def test_fit_passes_the_models_coefficients_and_accumulation(tiny_llama_config, tmp_path):
-    """In a real fit the data module hands the attached model's FLOP coefficients and the trainer's accumulation
-    to the sampler, unless the config sets the coefficients."""
+    """In a plain `Trainer.fit` (no CLI) the data/model connection hands the model's FLOP coefficients, the
+    trainer's accumulation and `data.seed` to the sampler, which the config left unset."""
     dm = multipack_data(str(tmp_path / "data"))
     lm = PackedCausalLM(model_config=tiny_llama_config, attn_backend="per_example", isolation_check=False)
     trainer = Trainer(
@@ -219,13 +238,36 @@ def test_fit_passes_the_models_coefficients_and_accumulation(tiny_llama_config, 
     )  # fmt: skip
     trainer.fit(lm, datamodule=dm)
     sampler = dm.train_sampler
-    assert isinstance(sampler, MultipackSampler) and sampler.accumulate == 2
-    assert sampler.cost_coefficients == lm.cost_coefficients == flop_coefficients(model_shape(lm.model))
-    assert lm.cost_coefficients != flop_coefficients(SMOLLM2_135M_SHAPE)  # the tiny model's own, not the default
+    assert isinstance(sampler, MultipackSampler) and sampler.accumulate == 2 and sampler.seed == dm.seed == 42
+    assert sampler.cost_coefficients == lm.contract.cost_coefficients == flop_coefficients(model_shape(lm.model))
+    assert lm.contract.cost_coefficients != flop_coefficients(SMOLLM2_135M_SHAPE)  # the tiny model's own
     assert trainer.global_step == 1
-    configured = multipack_data(str(tmp_path / "data"), cost_coefficients=[1.0, 2.0])
-    configured.trainer = trainer  # the same fit's trainer, model still attached
-    assert configured._build_sampler(configured.sampler, dm.train_lengths).cost_coefficients == (1.0, 2.0)
+
+
+@pytest.mark.parametrize(
+    "name, given, attribute",
+    [
+        ("seed", 7, "seed"),
+        ("accumulate", 3, "accumulate"),
+        ("cost_coefficients", [1.0, 2.0], "cost_coefficients"),
+        ("world_size", 3, "world_size"),
+        ("rank", 0, "rank"),
+    ],
+)
+def test_a_value_set_on_the_sampler_is_never_overridden_by_the_run(name, given, attribute, tmp_path):
+    """Every value the run injects (data.seed, the trainer's accumulation and layout, the model's costs) fills
+    only what the sampler's own init_args left unset."""
+    run = RunContext(seed=42, rank=1, world_size=2, accumulate=4, cost_coefficients=(5.0, 6.0))
+    lengths = np.array([10, 20, 30, 40])
+    kept = MultipackSampler(lengths, 64, **{name: given}).connect(run)
+    filled = MultipackSampler(lengths, 64).connect(run)
+    expected = tuple(given) if isinstance(given, list) else given
+    assert getattr(kept, attribute) == expected
+    assert getattr(filled, attribute) == getattr(run, name) != expected
+    # Through the data module, as the CLI builds it: data.seed=42 and the model's costs do not override either.
+    dm = multipack_data(str(tmp_path / "data"), **{name: given})
+    dm.connect_model(ModelContract(SMOLLM2_135M_SHAPE))
+    assert getattr(dm._build_sampler("sampler", dm.sampler, lengths), attribute) == expected
 
 
 def test_smollm2_shape_is_the_packaged_models():
