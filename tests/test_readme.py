@@ -1,21 +1,23 @@
-"""The README's first hour: every shell command in README.md's ```bash blocks runs here, so the README cannot
-drift from the code.
+"""The documentation's commands: every shell command in the ```bash blocks of README.md and of every page under
+docs/ runs here, so the pages cannot drift from the code.
 
-How each command is checked (smoke-sized, in one scratch folder, in README order so that `--ckpt_path` finds the
-checkpoint an earlier `fit` wrote):
+How each command is checked (smoke-sized, in one scratch folder, page by page: README.md first, then docs/*.md by
+name, each in its own order, so that `--ckpt_path` finds the checkpoint an earlier `fit` on the same page wrote):
 - `python main.py ...`: run in-process through `cli_main` with the command's own arguments, then a tiny random
   model of SmolLM2's shape and a short run appended (`--trainer.max_steps=2 --data.limit=64`). The own-data example
   runs with only the tiny model appended, on a 30-chat file, so its validation split and cadence are the ones the
-  README shows. Commands that need a GPU or the Hub (`configs/gpu.yaml`, a Hub model name) and the `main.py`
+  page shows. Commands that need a GPU or the Hub (`configs/gpu.yaml`, a Hub model name) and the `main.py`
   command inside a multi-node launcher (`torchrun`, `srun`) are checked for parse errors only (`--print_config`):
   this suite runs on CPU without network.
 - `python -m lit_packing.packing_report ...`: run as written. `python -m lit_packing.bench ...`: its settings parsed and
   checked (the benchmark itself runs, smoke-sized, in tests/bench/).
-- `python benchmarks/*.py ...`: `--help`, and every option the README passes must be one the script accepts.
+- `python benchmarks/*.py ...`: `--help`, and every option the page passes must be one the script accepts.
 - `bash benchmarks/*.sh`: `bash -n` (syntax; the script needs a GPU). `make <target>`: `make -n` (the target exists;
   running it would create a virtual environment).
 - `wandb ...`: listed in NOT_RUN with the reason; any other command fails the test until it is classified.
-A README option the CLI rejects makes jsonargparse exit with an error, which fails the test.
+A documented option the CLI rejects makes jsonargparse exit with an error, which fails the test. Each command is
+written once in all the pages together (a page links to another's command instead of repeating it), so each runs
+once; and every relative link of every page points at a file that exists, and at a heading of it that exists.
 """
 
 from __future__ import annotations
@@ -45,11 +47,13 @@ NOT_RUN = {
 }
 
 
-def readme_commands() -> list[list[str]]:
-    """Every command of README.md's ```bash blocks, continuation lines joined, comments dropped, split by shlex."""
-    text = (ROOT / "README.md").read_text()
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def page_commands(page: Path) -> list[list[str]]:
+    """Every command of a page's ```bash blocks, continuation lines joined, comments dropped, split by shlex."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+    for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             if words:
@@ -57,11 +61,17 @@ def readme_commands() -> list[list[str]]:
     return commands
 
 
-COMMANDS = readme_commands()
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """(page, command) for every page, README.md first, then docs/*.md by name."""
+    return [(str(page.relative_to(ROOT)), words) for page in PAGES for words in page_commands(page)]
+
+
+DOCUMENTED = documented_commands()
+COMMANDS = [words for _, words in DOCUMENTED]
 
 
 def own_data_file(folder: Path, n: int = 30) -> None:
-    """`my_chats.jsonl`: n short chats under a `conversation` key, as the README's own-data example reads."""
+    """`my_chats.jsonl`: n short chats under a `conversation` key, as the own-data example reads."""
     with open(folder / "my_chats.jsonl", "w") as f:
         for i in range(n):
             chat = [
@@ -81,15 +91,58 @@ def scratch(tmp_path_factory) -> Path:
     return folder
 
 
-def test_the_readme_shows_the_commands_this_test_knows():
+def test_the_pages_show_the_commands_this_test_knows():
     programs = {" ".join(words[:2]) for words in COMMANDS}
     assert {"python main.py", "python -m", "make run", "make test"} <= programs
+    assert {"make run", "make test"} <= {" ".join(words) for words in page_commands(ROOT / "README.md")}, "README"
     assert any("HFDataset" in " ".join(words) for words in COMMANDS), "the own-data example"
     assert any("--ckpt_path" in " ".join(words) for words in COMMANDS), "validate/test on a fine-tuned model"
 
 
+def test_each_command_is_written_once():
+    seen: dict[str, str] = {}
+    for page, words in DOCUMENTED:
+        command = " ".join(words)
+        assert command not in seen, f"{command!r} is in {seen.get(command)} and {page}: link to it instead"
+        seen[command] = page
+
+
+def test_the_readme_links_every_page():
+    linked = {target for target, _ in links(ROOT / "README.md")}
+    for page in PAGES[1:]:
+        assert str(page.relative_to(ROOT)) in linked, f"README.md does not link {page.name}"
+
+
+def anchor(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation but hyphens dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def links(page: Path) -> list[tuple[str, str]]:
+    """(target relative to the repository root, #fragment or "") of every relative link and image of a page."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code blocks hold no links
+    found = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, fragment = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        found.append((str(file.relative_to(ROOT)), fragment))
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_links_resolve(page):
+    for target, fragment in links(page):
+        assert (ROOT / target).exists(), f"{page.name} links to {target}, which does not exist"
+        if fragment:
+            text = re.sub(r"```.*?```", "", (ROOT / target).read_text(), flags=re.S)
+            ids = {anchor(h) for h in re.findall(r"^#+ (.*)$", text, flags=re.M)}
+            assert fragment in ids, f"{page.name} links to {target}#{fragment}: no such heading"
+
+
 def main_py_args(words: list[str]) -> tuple[list[str], bool]:
-    """The `cli_main` arguments for a README `python main.py ...` command, and whether it is parse-only."""
+    """The `cli_main` arguments for a documented `python main.py ...` command, and whether it is parse-only."""
     args = words[2:]
     joined = " ".join(args)
     if "--print_config" in args:
@@ -97,7 +150,7 @@ def main_py_args(words: list[str]) -> tuple[list[str], bool]:
     if "configs/gpu.yaml" in joined:  # a GPU (and here a Hub model): parse errors only
         return [*args, "--print_config"], True
     extra = [f"--model.model_config={json.dumps(TINY)}"]
-    if "--model.name_or_path=" in joined:  # a local folder the README wrote (an export): its own weights
+    if "--model.name_or_path=" in joined:  # a local folder a page's command wrote (an export): its own weights
         extra = []
     if "HFDataset" not in joined:  # the own-data example runs as written, on its 30 chats
         extra += SHORT
@@ -105,8 +158,8 @@ def main_py_args(words: list[str]) -> tuple[list[str], bool]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("words", COMMANDS, ids=[" ".join(w)[:80] for w in COMMANDS])
-def test_readme_command_runs(words, scratch, monkeypatch, capsys):
+@pytest.mark.parametrize(("page", "words"), DOCUMENTED, ids=[f"{p}: {' '.join(w)}"[:100] for p, w in DOCUMENTED])
+def test_documented_command_runs(page, words, scratch, monkeypatch, capsys):
     monkeypatch.chdir(scratch)
     command = " ".join(words)
     if words[:2] == ["python", "main.py"]:
@@ -142,7 +195,7 @@ def test_readme_command_runs(words, scratch, monkeypatch, capsys):
     elif words[0] == "make":
         run(["make", "-n", "-C", str(ROOT), *words[1:]])
     else:
-        assert " ".join(words[:2]) in NOT_RUN, f"README command not checked by any rule here: {command}"
+        assert " ".join(words[:2]) in NOT_RUN, f"{page}: command not checked by any rule here: {command}"
 
 
 def run(argv: list[str]) -> subprocess.CompletedProcess:

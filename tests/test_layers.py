@@ -1,0 +1,141 @@
+"""The package's two layers: a Lightning-free core that plain PyTorch and Hugging Face Trainer users import, and the
+Lightning layer on top. The core imports nothing of the layers above it, no module imports upward, and the
+module-level import graph has no cycle."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lit_packing"
+# Layer of every module, lowest first; a module may import its own layer and the ones below.
+CORE = ("lit_packing.batch", "lit_packing.cost", "lit_packing.errors", "lit_packing.samplers",
+        "lit_packing.data.collate", "lit_packing.models.attention", "lit_packing.models.loss",
+        "lit_packing.models.isolation")  # fmt: skip
+LIGHTNING = ("lit_packing.assets", "lit_packing._compat", "lit_packing.loggers", "lit_packing.contract",
+             "lit_packing.data", "lit_packing.models", "lit_packing.callbacks", "lit_packing.configs")  # fmt: skip
+CLI = ("lit_packing.cli",)
+TOOLS = ("lit_packing.packing_report", "lit_packing.bench")
+COMMANDS = ("lit_packing.commands", "lit_packing.__main__")  # the `lit-packing` command: every tool by name
+LAYERS = (CORE, LIGHTNING, CLI, TOOLS, COMMANDS)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def layer(module: str) -> int:
+    """The layer of a module: the most specific prefix listed wins (`lit_packing.data.collate` is core)."""
+    if module == "lit_packing":
+        return 0  # the root package holds its version and docstring only
+    best = max(
+        ((len(prefix), i) for i, names in enumerate(LAYERS) for prefix in names
+         if module == prefix or module.startswith(prefix + ".")),
+        default=None,
+    )  # fmt: skip
+    if best is None:
+        raise AssertionError(f"{module} has no layer: add it to one in tests/test_layers.py")
+    return best[1]
+
+
+def imports(module: str, top_level_only: bool) -> set[str]:
+    """The lit_packing modules `module` imports (a `from package import submodule` counts as the submodule);
+    `TYPE_CHECKING` blocks never count; function bodies count unless `top_level_only`."""
+    tree = ast.parse(MODULES[module].read_text())
+    found: set[str] = set()
+
+    def visit(nodes, top: bool) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("lit_packing"))
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lit_packing"):
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    found.add(sub if sub in MODULES else node.module)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and top_level_only:
+                if isinstance(node, ast.ClassDef):
+                    visit(node.body, top)
+                continue
+            children = [c for c in ast.iter_child_nodes(node) if isinstance(c, ast.stmt)]
+            visit(children, top)
+
+    visit(tree.body, True)
+    found.discard(module)
+    return found
+
+
+def test_every_module_has_a_layer_and_imports_none_above_it():
+    upward = [
+        f"{module} (layer {layer(module)}) imports {target} (layer {layer(target)})"
+        for module in MODULES
+        for target in sorted(imports(module, top_level_only=False))
+        if layer(target) > layer(module)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_module_level_imports_have_no_cycle():
+    graph = {m: {t for t in imports(m, top_level_only=True) if t in MODULES} for m in MODULES}
+    state: dict[str, str] = {}
+    cycles = []
+
+    def walk(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join([*path[path.index(nxt) :], nxt]))
+            elif nxt not in state:
+                walk(nxt, [*path, nxt])
+        state[node] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module, [module])
+    assert not cycles, "\n".join(cycles)
+
+
+BLOCK_LIGHTNING = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics", "jsonargparse"):
+            raise ImportError(f"{name} is blocked: the core must not need it")
+sys.meta_path.insert(0, Block())
+"""
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if layer(m) == 0])
+def test_core_module_imports_without_lightning(module):
+    """Each core module imports, and its worked examples' names resolve, with Lightning made unimportable."""
+    code = BLOCK_LIGHTNING + f"import {module}\nprint('ok', {module}.__name__)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("ok"), result.stderr[-2000:]
+
+
+def test_core_packs_collates_and_computes_the_loss_without_lightning():
+    """A plain-PyTorch user's path end to end: plan packs, collate one, run the packed loss on logits."""
+    code = BLOCK_LIGHTNING + """
+import numpy as np, torch
+from lit_packing.samplers import BestFitPackingSampler
+from lit_packing.data.collate import PackedCollator
+from lit_packing.models.loss import causal_lm_loss
+from lit_packing.batch import attach_step
+lengths = np.array([5, 9, 3, 7])
+pack = next(iter(BestFitPackingSampler(lengths, max_tokens=16, seed=0)))
+batch = attach_step([PackedCollator()([{"input_ids": list(range(1, int(lengths[i]) + 1))} for i in pack])])[0]
+parts = causal_lm_loss(torch.randn(1, batch["input_ids"].shape[1], 20), batch, "token")
+assert "lightning" not in sys.modules
+print("ok", float(parts.label_tokens))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("ok"), result.stderr[-2000:]
