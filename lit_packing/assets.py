@@ -89,7 +89,7 @@ def _smollm2_folder(with_model: bool) -> Path:
         tokenizer.add_bos_token = False
         tokenizer.save_pretrained(folder)
     if with_model and not (folder / "model.safetensors").exists():
-        log.info("converting SmolLM2-135M-Instruct from GGUF (once, ~30 s) into %s", folder)
+        log.info("converting SmolLM2-135M-Instruct from GGUF (once; later runs load the converted folder) into %s", folder)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # Weights are already de-quantised to fp32; transformers 5 refuses to save while a quantizer is attached.
         model.hf_quantizer = None

@@ -124,7 +124,9 @@ def test_core_module_imports_without_lightning(module):
 
 def test_core_packs_collates_and_computes_the_loss_without_lightning():
     """A plain-PyTorch user's path end to end: plan packs, collate one, run the packed loss on logits."""
-    code = BLOCK_LIGHTNING + """
+    code = (
+        BLOCK_LIGHTNING
+        + """
 import numpy as np, torch
 from lit_packing.samplers import BestFitPackingSampler
 from lit_packing.data.collate import PackedCollator
@@ -137,5 +139,6 @@ parts = causal_lm_loss(torch.randn(1, batch["input_ids"].shape[1], 20), batch, "
 assert "lightning" not in sys.modules
 print("ok", float(parts.label_tokens))
 """
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.startswith("ok"), result.stderr[-2000:]

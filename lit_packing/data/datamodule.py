@@ -108,18 +108,18 @@ def check_val_check_interval(trainer: Any, train_steps: int) -> None:
         train_steps: training batches per epoch on this rank (`len(sampler)`).
 
     Raises:
-        ValueError: naming `trainer.val_check_interval` and the data settings that size the epoch.
+        ConfigError: naming `trainer.val_check_interval` and the data settings that size the epoch.
     """
     interval = trainer.val_check_interval
     if not isinstance(interval, int) or trainer.check_val_every_n_epoch is None or interval <= train_steps:
         return
     if not trainer.limit_val_batches:  # validation is off: Lightning lets any interval pass
         return
-    raise ValueError(
-        f"trainer.val_check_interval={interval} batches is more than the {train_steps:,} training batches of one "
-        f"epoch "
-        f"of this data: give a fraction of the run instead (e.g. trainer.val_check_interval=0.5, or 1.0 for the "
-        f"end only), a count up to {train_steps:,}, or more training examples (data.val_split, data.limit)"
+    raise ConfigError(
+        "trainer.val_check_interval",
+        f"{interval} batches is more than the {train_steps:,} training batches of one epoch of this data",
+        f"give a fraction of the run instead (e.g. trainer.val_check_interval=0.5, or 1.0 for the end only), a count "
+        f"up to {train_steps:,}, or more training examples (data.val_split, data.limit)",
     )
 
 
@@ -169,7 +169,7 @@ class PackingDataModule(LightningDataModule):
             in YAML `{class_path: lit_packing.data.PackedCollator, init_args: {pad_to_multiple_of: 64}}`; typed
             by the classes so that jsonargparse builds a factory, not an instance).
         cache_dir: where `datasets` keeps the examples and their tokenization (None: its default cache).
-        num_proc: processes for tokenization (`datasets.map`); None uses one, which is fastest on 2 cores.
+        num_proc: processes for tokenization (`datasets.map`); None uses one process.
         on_bad_row: rows that cannot be trained (malformed lines, null or mistyped fields, unknown roles, no
             assistant turn, empty answers, control characters): `error` (default) stops before training naming the
             first rows; `skip` leaves them out and counts them (log, `data/bad_examples`, the fit summary).
@@ -270,8 +270,8 @@ class PackingDataModule(LightningDataModule):
     def prepare_data(self) -> None:
         """Load the source and tokenize it into the disk cache (Lightning runs this on one process per node)."""
         rank_zero_info(
-            f"preparing data: {self.source!r} tokenized with {self.tokenizer_name} (first time ~5 s per 1,000 chats "
-            "on 2 CPU cores; later runs with the same settings read the cache)"
+            f"preparing data: {self.source!r} tokenized with {self.tokenizer_name} (once: later runs with the same "
+            "settings read the cache)"
         )
         self._tokenize()
 

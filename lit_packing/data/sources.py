@@ -332,7 +332,9 @@ class StateOfTheUnion(Source):
 
     def __init__(self, unit: Literal["paragraph", "document"] = "paragraph") -> None:
         if unit not in ("paragraph", "document"):
-            raise ValueError(f"StateOfTheUnion unit={unit!r}: use 'paragraph' or 'document'")
+            raise ConfigError(
+                "data.source.init_args.unit", f"{unit!r} is not a choice", "use paragraph or document"
+            )
         self.unit = unit
 
     def load(self, cache_dir: str | None = None) -> datasets.Dataset:

@@ -182,12 +182,16 @@ def _attention_forward(kernel: VarlenFn) -> Callable:
     ) -> tuple[torch.Tensor, None]:
         if attention_mask is not None:  # a padded batch: the (B, 1, T, T) mask sdpa_mask built
             if softcap is not None:
-                raise NotImplementedError("padded batches run sdpa, which has no softcap: use packed batches")
+                raise ConfigError(
+                    "attn_backend",
+                    "padded batches run sdpa, which has no softcap",
+                    "use packed batches (PackedCollator)",
+                )
             return sdpa_attention_forward(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal
             )
         if s_aux is not None:
-            raise NotImplementedError("attention sinks (s_aux) are not supported by the packed backends")
+            raise ConfigError("attn_backend", "attention sinks (s_aux) are not supported by the packed backends")
         batch, _, seq, _ = query.shape
         if cu_seq_lens_q is None and key.shape[2] != seq:  # decoding with a KV cache (generate): one sequence a row
             return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling)
@@ -344,12 +348,15 @@ def _torch_varlen_api() -> tuple[Callable, frozenset]:
 def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout):
     varlen_attn, params = _torch_varlen_api()
     if dropout > 0:
-        raise NotImplementedError(
-            "torch_varlen has no attention dropout: set the model's attention_dropout to 0 or use attn_backend="
-            "flash_attn / per_example"
+        raise ConfigError(
+            "attn_backend",
+            "torch_varlen has no attention dropout",
+            "set the model's attention_dropout to 0 or use {attn_backend}=flash_attn / per_example",
         )
     if softcap is not None:
-        raise NotImplementedError("torch_varlen has no softcap (Gemma 2/3): use attn_backend=flash_attn or per_example")
+        raise ConfigError(
+            "attn_backend", "torch_varlen has no softcap (Gemma 2/3)", "use {attn_backend}=flash_attn or per_example"
+        )
     kwargs = {}
     if "scale" in params:
         kwargs["scale"] = scale
@@ -360,7 +367,11 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, s
         kwargs["window_size"] = (left, 0 if causal else (-1 if window is None else window - 1))
     else:  # torch 2.10: is_causal only
         if window is not None:
-            raise NotImplementedError("this torch's varlen_attn has no sliding window: upgrade torch or use flash_attn")
+            raise ConfigError(
+                "attn_backend",
+                "this torch's varlen_attn has no sliding window",
+                "upgrade torch or use {attn_backend}=flash_attn",
+            )
         kwargs["is_causal"] = causal
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
@@ -382,7 +393,9 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, s
 
 def _same_boundaries(cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:
     if cu_k is not cu_q and not torch.equal(cu_q, cu_k):
-        raise NotImplementedError("per_example and sdpa_mask need cu_seq_lens_q == cu_seq_lens_k (self-attention)")
+        raise ConfigError(
+            "attn_backend", "per_example and sdpa_mask need cu_seq_lens_q == cu_seq_lens_k (self-attention)"
+        )
 
 
 def _attend(q, k, v, *, causal, scale, window, softcap, dropout, mask=None) -> torch.Tensor:

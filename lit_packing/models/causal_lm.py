@@ -51,7 +51,14 @@ from lit_packing.errors import ConfigError, DataError, TrainingError, check_rang
 from lit_packing.models.attention import AttnBackend, attn_implementation, available_backends, resolve_backend
 from lit_packing.models.isolation import check_isolation, check_packed_batch
 from lit_packing.models.loading import DType, apply_lora, load_causal_lm, no_decay_parameter_ids
-from lit_packing.models.loss import HeadInputs, LossImpl, LossNormalization, causal_lm_loss, eval_sums
+from lit_packing.models.loss import (
+    HeadInputs,
+    LossImpl,
+    LossNormalization,
+    causal_lm_loss,
+    check_loss_settings,
+    eval_sums,
+)
 from lit_packing.models.memory import check_fit_memory
 
 log = logging.getLogger(__name__)
@@ -62,6 +69,8 @@ TESTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy")
 Schedule = Literal["cosine", "linear", "constant"]
 NonFinite = Literal["error", "skip"]
 SAMPLE_ROWS = 8  # source rows named when a step fails
+# Core parameters that are `model.<name>` settings (a core `ConfigError` naming one is re-raised with that path).
+MODEL_SETTINGS = ("attn_backend", "loss_impl", "loss_normalization", "loss_chunk_size")
 
 
 class PackedCausalLM(LightningModule):
@@ -129,7 +138,8 @@ class PackedCausalLM(LightningModule):
         super().__init__()
         self.save_hyperparameters()
         _check_settings(self.hparams)
-        check_loss_settings(loss_impl, loss_chunk_size, loss_normalization)
+        with _named_model_settings():
+            check_loss_settings(loss_impl, loss_chunk_size, loss_normalization)
         # Until the trainer says which device we run on, guess; `setup` resolves again for the real device.
         guess = "cuda" if torch.cuda.is_available() else "cpu"
         _backend_here(attn_backend, guess)  # a backend no device here can run fails before the model loads
@@ -179,9 +189,10 @@ class PackedCausalLM(LightningModule):
     def setup(self, stage: str) -> None:
         strategy = type(self.trainer.strategy).__name__
         if stage == "fit" and strategy not in TESTED_STRATEGIES:
-            raise ValueError(
-                f"trainer.strategy={strategy} is not supported: the loss normalisation is tested under "
-                f"{', '.join(TESTED_STRATEGIES)} (trainer.strategy: auto, ddp or fsdp)"
+            raise ConfigError(
+                "trainer.strategy",
+                f"{strategy} is not supported: the loss normalisation is tested under {', '.join(TESTED_STRATEGIES)}",
+                "use auto, ddp or fsdp",
             )
         device = self.trainer.strategy.root_device
         self.attn_backend = _backend_here(self.hparams.attn_backend, device)
@@ -228,7 +239,7 @@ class PackedCausalLM(LightningModule):
         # Every rank runs it on its first packed batch, an empty pack included: the same number of forwards on
         # every rank (see `sample_packed`), so a sharded model's collectives stay matched and nothing hangs.
         if self._isolation_pending and is_packed(batch):
-            with self._forward_context():
+            with self._forward_context(), _named_model_settings():
                 diff = check_isolation(self.model, batch, self.attn_backend)
             log.info("isolation self-test passed: attn_backend=%s, max abs logit diff %.3g", self.attn_backend, diff)
             self._isolation_pending = False
@@ -279,7 +290,7 @@ class PackedCausalLM(LightningModule):
         if STEP in batch:
             return max(batch[STEP][key], 1)
         if self.trainer.world_size * self.trainer.accumulate_grad_batches > 1:
-            raise ValueError(
+            raise DataError(
                 f"the batch has no '{STEP}' totals, so with world_size={self.trainer.world_size} and "
                 f"accumulate_grad_batches={self.trainer.accumulate_grad_batches} its loss cannot be normalised over "
                 "the optimizer step: use PackingDataModule's samplers, or give every micro-batch of a step "
@@ -421,17 +432,6 @@ class PackedCausalLM(LightningModule):
         rank_zero_info(f"exported the model{' and tokenizer' if tokenizer is not None else ''} to {path}")
 
 
-def check_loss_settings(loss_impl: str, chunk_size: int, normalization: str) -> None:
-    """Raise a `ConfigError` naming the setting when the loss options cannot work together."""
-    if loss_impl not in ("chunked", "full", "liger"):
-        raise ConfigError("model.loss_impl", f"{loss_impl!r} is not a choice", "use chunked, full or liger")
-    check_range("model.loss_chunk_size", chunk_size, 1)
-    if loss_impl == "liger" and normalization != "token":
-        raise ConfigError(
-            "model.loss_impl", "liger sums token losses only", "use model.loss_normalization=token or chunked"
-        )
-
-
 @torch.no_grad()
 def check_head_inputs(lm: PackedCausalLM) -> None:
     """The hidden-states path must give the model's own logits: a model that transforms its logits in a way
@@ -471,9 +471,6 @@ def check_liger(device: torch.device, head: torch.nn.Module) -> None:
 
 def _check_settings(hp: Mapping[str, Any]) -> None:
     """Range-check the numeric settings and choices, naming each by its CLI path (`model.lr`)."""
-    if hp["loss_normalization"] not in ("token", "sequence"):
-        choice = hp["loss_normalization"]
-        raise ConfigError("model.loss_normalization", f"{choice!r} is not a choice", "use token or sequence")
     if hp["nonfinite"] not in ("error", "skip"):
         raise ConfigError("model.nonfinite", f"{hp['nonfinite']!r} is not a policy", "use error or skip")
     check_range("model.lr", hp["lr"], 0)  # 0 is a dry run: gradients without updates
@@ -484,6 +481,15 @@ def _check_settings(hp: Mapping[str, Any]) -> None:
     check_range("model.vocab_size", hp["vocab_size"], 1)
     for i, beta in enumerate(hp["betas"]):
         check_range(f"model.betas[{i}]", beta, 0, 1, high_open=True)
+
+
+@contextlib.contextmanager
+def _named_model_settings():
+    """A core `ConfigError` (e.g. a backend that cannot run this model) named by its `model.*` path."""
+    try:
+        yield
+    except ConfigError as error:
+        raise error.under({name: f"model.{name}" for name in MODEL_SETTINGS}) from None
 
 
 def _backend_here(backend: str, device: torch.device | str) -> str:
@@ -510,7 +516,7 @@ def lr_schedule(kind: str, warmup_steps: int, total_steps: int, min_lr_ratio: fl
     """LambdaLR multiplier: linear warmup over `warmup_steps`, then cosine / linear decay to `min_lr_ratio` at
     `total_steps`, or constant."""
     if kind not in ("cosine", "linear", "constant"):
-        raise ValueError(f"scheduler={kind!r}: use cosine, linear or constant")
+        raise ConfigError("model.scheduler", f"{kind!r} is not a choice", "use cosine, linear or constant")
 
     def multiplier(step: int) -> float:
         if step < warmup_steps:

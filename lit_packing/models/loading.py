@@ -23,7 +23,9 @@ def torch_dtype(dtype: str | None) -> torch.dtype | None:
     if dtype is None:
         return None
     if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype={dtype!r}: use float32, bfloat16 or float16 (or leave it unset for float32)")
+        raise ConfigError(
+            "model.dtype", f"{dtype!r} is not a choice", "use float32, bfloat16 or float16 (or leave it unset: float32)"
+        )
     return getattr(torch, dtype)
 
 

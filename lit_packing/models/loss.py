@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lit_packing.batch import CU_SEQ_LENS_Q, IGNORE_INDEX, LABELS, SEQ_IDX, is_packed
+from lit_packing.errors import ConfigError, check_range
 
 LossNormalization = Literal["token", "sequence"]
 LossImpl = Literal["chunked", "full", "liger"]
@@ -170,6 +171,20 @@ def num_segments(batch: Mapping[str, Any]) -> int:
     return batch[LABELS].shape[0]
 
 
+def check_loss_settings(loss_impl: str, chunk_size: int | None, normalization: str) -> None:
+    """Raise a `ConfigError` naming the parameter when the loss options cannot work (the one check of each;
+    `PackedCausalLM` runs it at construction, `causal_lm_loss` on every call)."""
+    if loss_impl not in ("chunked", "full", "liger"):
+        raise ConfigError("loss_impl", f"{loss_impl!r} is not a choice", "use chunked, full or liger")
+    if normalization not in ("token", "sequence"):
+        raise ConfigError("loss_normalization", f"{normalization!r} is not a choice", "use token or sequence")
+    check_range("loss_chunk_size", chunk_size, 1)
+    if loss_impl == "liger" and normalization != "token":
+        raise ConfigError(
+            "loss_impl", "liger sums token losses only", "use {loss_normalization}=token or {loss_impl}=chunked"
+        )
+
+
 def causal_lm_loss(
     outputs: torch.Tensor | HeadInputs, batch: Mapping[str, Any], normalization: LossNormalization = "token"
 ) -> LossParts:
@@ -180,9 +195,8 @@ def causal_lm_loss(
         batch: the batch (labels, and the example boundaries for `sequence`).
         normalization: `token` or `sequence` (see `LossParts`).
     """
+    check_loss_settings(outputs.impl if isinstance(outputs, HeadInputs) else "full", None, normalization)
     if isinstance(outputs, HeadInputs) and outputs.impl == "liger":
-        if normalization != "token":
-            raise ValueError("model.loss_impl=liger sums token losses only: use loss_normalization=token or chunked")
         token_loss_sum, label_tokens = liger_token_loss_sum(outputs, batch[LABELS])
         return LossParts(token_loss_sum, label_tokens, token_loss_sum, label_tokens)
     if isinstance(outputs, HeadInputs):
@@ -193,8 +207,6 @@ def causal_lm_loss(
     label_tokens = mask.sum().to(losses.dtype)
     if normalization == "token":
         return LossParts(token_loss_sum, label_tokens, token_loss_sum, label_tokens)
-    if normalization != "sequence":
-        raise ValueError(f"unknown loss_normalization={normalization!r}: use token or sequence")
     sums, counts = per_example_losses(losses, mask, batch_segments(batch), num_segments(batch))
     has_labels = counts > 0
     objective = (sums / counts.clamp_min(1)).sum()  # examples without labels add 0

@@ -2,6 +2,7 @@
 that never trained, the config as nested keys in the run's folder, validation at the end of a `max_steps` run."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -64,18 +65,26 @@ def test_quickstart_run_prints_steps_validates_at_the_end_and_keeps_one_checkpoi
     assert (tmp_path / "runs" / "quickstart" / "version_1" / "config.yaml").exists()
 
 
-def test_a_run_that_fails_before_training_leaves_no_wandb_run(tmp_path, monkeypatch):
+def exits_with(capsys, pattern: str, *args: str) -> None:
+    """The CLI prints a toolkit error alone, in one line, and exits with status 2."""
+    with pytest.raises(SystemExit) as exit_:
+        fit(*args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert re.match(f"error: {pattern}", err[-1]) and "Traceback" not in "\n".join(err), err[-3:]
+
+
+def test_a_run_that_fails_before_training_leaves_no_wandb_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=r"data\.val_split: 64 examples leave no training data out of 64"):
-        fit("--data.val_split=64")
+    exits_with(capsys, r"data\.val_split: 64 examples leave no training data out of 64", "--data.val_split=64")
     assert not (tmp_path / "runs" / "wandb").exists()
     assert not (tmp_path / "runs" / "checkpoints").exists()
 
 
-def test_an_explicit_interval_longer_than_the_epoch_names_the_settings(tmp_path, monkeypatch):
+def test_an_explicit_interval_longer_than_the_epoch_names_the_settings(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=r"trainer\.val_check_interval=500 batches .* fraction .*data\.val_split"):
-        fit("--trainer.val_check_interval=500", "--trainer.logger=false")
+    pattern = r"trainer\.val_check_interval: 500 batches .* fraction .*data\.val_split"
+    exits_with(capsys, pattern, "--trainer.val_check_interval=500", "--trainer.logger=false")
 
 
 def test_lora_checkpoint_holds_only_the_adapters_and_resumes(tmp_path, monkeypatch):

@@ -106,7 +106,7 @@ def test_state_of_the_union(cache_dir):
     assert example_shape(speeches.column_names) == "text"
     assert speeches[0]["speech"] == "1790-Washington-1"
     assert paragraphs[0]["text"] == "Fellow-Citizens of the Senate and House of Representatives:"
-    with pytest.raises(ValueError, match="unit='chapter'"):
+    with pytest.raises(ValueError, match="data.source.init_args.unit: 'chapter' is not a choice"):
         StateOfTheUnion(unit="chapter")
 
 

@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_packing.data.collate import PackedCollator, PaddedCollator
+from lit_packing.errors import ConfigError
 from lit_packing.models import PackedCausalLM
 from lit_packing.models.loss import causal_lm_loss, eval_sums
 from tests.conftest import TINY_CONFIGS
@@ -128,10 +129,16 @@ def test_no_tensor_of_tokens_times_vocabulary(loss_impl):
 
 
 def test_bad_loss_settings_are_clear_errors():
-    with pytest.raises(ValueError, match="model.loss_chunk_size"):
+    """The core names its parameter; the model names the same check by its `model.*` path."""
+    with pytest.raises(ConfigError, match="^model.loss_chunk_size: must be >= 1, got 0$"):
         make_lm(FAMILIES["llama"], loss_chunk_size=0)
-    with pytest.raises(ValueError, match="model.loss_normalization=token"):
+    with pytest.raises(ConfigError, match="^model.loss_impl: liger sums .*; use model.loss_normalization=token or"):
         make_lm(FAMILIES["llama"], loss_impl="liger", loss_normalization="sequence")
+    with pytest.raises(ConfigError, match="^model.loss_normalization: 'mean' is not a choice"):
+        make_lm(FAMILIES["llama"], loss_normalization="mean")
+    batch = PackedCollator()(make_examples([5, 7], vocab=64))
+    with pytest.raises(ConfigError, match="^loss_normalization: 'mean' is not a choice; use token or sequence$"):
+        causal_lm_loss(torch.randn(1, 12, 64), batch, "mean")
 
 
 def test_liger_on_cpu_is_refused_at_setup():
