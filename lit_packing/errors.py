@@ -68,6 +68,10 @@ class TrainingError(LitPackingError):
     """The run cannot go on or did not train: a non-finite loss or gradient, no optimizer step taken."""
 
 
+class AssetError(LitPackingError, FileNotFoundError):
+    """A packaged asset (model, tokenizer, data file) or a local path that is not where the setting says."""
+
+
 class IsolationError(LitPackingError):
     """Packed examples are not isolated from each other (or the packed batch is malformed)."""
 

@@ -39,7 +39,7 @@ import torch
 import xxhash
 from datasets import Features, List, Value
 
-from lit_packing.batch import IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, Pack
+from lit_packing.batch import IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, TRUNCATED_TOKENS, Pack
 from lit_packing.data.sources import CHAT, LINE, PROBLEM, PROMPT_COMPLETION, example_problem, example_shape
 from lit_packing.errors import ConfigError, DataError
 
@@ -52,8 +52,9 @@ Overlong = Literal["truncate", "drop", "error"]
 TrainOn = Literal["completion", "all"]
 OnBadRow = Literal["error", "skip"]
 
+# Columns of the tokenized table besides the keys an example carries into a batch (`lit_packing.batch`: input_ids,
+# labels, index, truncated_tokens).
 LENGTH = "length"
-TRUNCATED_TOKENS = "truncated_tokens"
 ROW = "row"  # the example's row as the user counts it: its line in a JSON Lines file, else its source row
 TOKEN_HASH = "token_hash"  # 64-bit XXH3 of the token ids: equal for duplicate examples
 LABEL_TOKENS = "label_tokens"  # trained tokens of the example (labels != -100, its first label masked)
