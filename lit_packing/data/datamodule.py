@@ -20,6 +20,7 @@ path (`lit_packing.contract.setting_paths`).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -28,7 +29,6 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Sampler
 
 from lit_packing.assets import resolve_pretrained
@@ -50,6 +50,9 @@ from lit_packing.data.tokenize import (
 )
 from lit_packing.errors import ConfigError, DataError, check_range
 from lit_packing.samplers import BestFitPackingSampler, PlannedBatchSampler, RunContext
+from lit_packing.text import count
+
+log = logging.getLogger(__name__)
 
 VALIDATION_SPLITS = ("validation", "test")  # a source's own split used for validation, first found
 
@@ -229,6 +232,7 @@ class PackingDataModule(LightningDataModule):
         self.train_sampler: Sampler | None = None
         self._sampler_state: dict | None = None
         self.contract: DataContract | None = None  # published by `setup`
+        self._prepared = False  # `prepare_data` ran in this process (and announced the data)
         self.model_contract: ModelContract | None = None  # what the model publishes (`connect_model`)
 
     # ------------------------------------------------------------ run-time values (linked to the model by the CLI)
@@ -269,17 +273,14 @@ class PackingDataModule(LightningDataModule):
 
     def prepare_data(self) -> None:
         """Load the source and tokenize it into the disk cache (Lightning runs this on one process per node)."""
-        rank_zero_info(
-            f"preparing data: {self.source!r} tokenized with {self.tokenizer_name} (once: later runs with the same "
-            "settings read the cache)"
-        )
-        self._tokenize()
+        self._tokenize(announce=True)
+        self._prepared = True
 
     def setup(self, stage: str | None = None) -> None:
         """Tokenize (from the cache), split, and build `train_dataset`, `val_dataset` and `report` once."""
         if self.train_dataset is not None:
             return
-        tokenized = self._tokenize()
+        tokenized = self._tokenize(announce=not self._prepared)  # one line per run says where the data came from
         train, self.report = tokenized["train"]
         if "validation" in tokenized:
             val, val_report = tokenized["validation"]
@@ -298,10 +299,10 @@ class PackingDataModule(LightningDataModule):
         self.val_dataset = TokenizedDataset(val) if len(val) else None
         self.test_dataset = TokenizedDataset(test) if len(test) else None
         own_test = f" / {len(test):,} test" if "test" in tokenized else ""
-        rank_zero_info(
-            f"{self.source!r} with {self.tokenizer_name}: {self.report}; "
-            f"{len(self.train_dataset):,} train / {len(val):,} validation{own_test} examples"
-        )
+        log.info(
+            "%r with %s: %s; %s train / %s validation%s examples", self.source, self.tokenizer_name, self.report,
+            f"{len(self.train_dataset):,}", f"{len(val):,}", own_test,
+        )  # fmt: skip
         self._warn_about(train, val)
         self.contract = DataContract(
             tokenizer=self.tokenizer,
@@ -347,20 +348,20 @@ class PackingDataModule(LightningDataModule):
     def _warn_about(self, train: datasets.Dataset, val: datasets.Dataset) -> None:
         """Name what was skipped, dropped or duplicated, and validation examples that also appear in training."""
         report, name = self.report, self.source.row_name
-        for kind, what in (("bad", "bad rows skipped (data.on_bad_row=skip)"), ("duplicate", "duplicate examples")):
+        for kind, what in (("bad", "bad row"), ("duplicate", "duplicate example")):
             if report.samples.get(kind):
-                count = report.bad_examples if kind == "bad" else report.duplicate_examples
-                rank_zero_warn(f"{count:,} {what}, first {report.named(kind, name)}")
+                n = report.bad_examples if kind == "bad" else report.duplicate_examples
+                log.warning("%s, first %s", count(n, what), report.named(kind, name))
         if len(val):
             seen = np.isin(column(val, TOKEN_HASH), column(train, TOKEN_HASH))
             self.overlap_examples = int(seen.sum())
             if self.overlap_examples:
                 rows = ", ".join(name(int(r)) for r in column(val, ROW)[seen][:SAMPLES])
-                rank_zero_warn(
-                    f"{self.overlap_examples:,} of {len(val):,} validation examples also appear in training "
-                    f"(duplicates in the data; first {rows}): validation loss overstates generalisation; "
-                    f"deduplicate the source"
-                )
+                log.warning(
+                    "%s of %s validation examples also appear in training (duplicates in the data; first %s): "
+                    "validation loss overstates generalisation; deduplicate the source",
+                    f"{self.overlap_examples:,}", f"{len(val):,}", rows,
+                )  # fmt: skip
 
     def train_dataloader(self) -> DataLoader:
         dataset = self._require(self.train_dataset)
@@ -370,6 +371,8 @@ class PackingDataModule(LightningDataModule):
             if self._sampler_state is not None:
                 self.train_sampler.load_state_dict(self._sampler_state)
                 self._sampler_state = None
+                step = self.trainer.global_step if self.trainer is not None else 0
+                log.info("resumed at optimizer step %s: %s", f"{step:,}", self.train_sampler.restored)
         with self._named_settings("collator"):
             self.largest_step()  # a padding rule that cannot hold the plan's largest pack fails here, not mid-epoch
         if self.trainer is not None:
@@ -413,8 +416,9 @@ class PackingDataModule(LightningDataModule):
 
     # ------------------------------------------------------------ steps
 
-    def _tokenize(self) -> dict[str, tuple[datasets.Dataset, TokenizationReport]]:
-        """`{"train": (tokenized, report)}`, plus `"validation"` / `"test"` where the source has its own."""
+    def _tokenize(self, announce: bool) -> dict[str, tuple[datasets.Dataset, TokenizationReport]]:
+        """`{"train": (tokenized, report)}`, plus `"validation"` / `"test"` where the source has its own; with
+        `announce`, one line per split says whether it is tokenized now or read from the cache."""
         parts = self._raw_splits(self.source.load(cache_dir=self.cache_dir))
         tokenized = {}
         for name, raw in parts.items():
@@ -422,6 +426,8 @@ class PackingDataModule(LightningDataModule):
             tokenized[name] = tokenize_dataset(
                 subset, self.tokenizer, self.max_length, self.overlong, self.train_on, self.num_proc,
                 on_bad_row=self.on_bad_row, rows=rows, row_name=self.source.row_name,
+                announce=f"{self.source!r}{'' if name == 'train' else f' ({name})'} with {self.tokenizer_name}"
+                if announce else None,
             )  # fmt: skip
         return tokenized
 

@@ -42,6 +42,7 @@ from datasets import Features, List, Value
 from lit_packing.batch import IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, TRUNCATED_TOKENS, Pack
 from lit_packing.data.sources import CHAT, LINE, PROBLEM, PROMPT_COMPLETION, example_problem, example_shape
 from lit_packing.errors import ConfigError, DataError
+from lit_packing.text import count
 
 log = logging.getLogger(__name__)
 
@@ -125,13 +126,13 @@ class TokenizationReport:
 
     def __str__(self) -> str:
         return (
-            f"tokenized {self.examples_in:,} examples -> kept {self.examples_out:,} "
-            f"({self.real_tokens:,} tokens, {self.label_tokens:,} trained); "
-            f"skipped {self.bad_examples:,} bad rows; "
-            f"truncated {self.truncated_examples:,} ({self.truncated_tokens:,} tokens cut); "
-            f"dropped {self.dropped_overlong_examples:,} overlong ({self.dropped_overlong_tokens:,} tokens) "
-            f"and {self.dropped_no_label_examples:,} with no trained token ({self.dropped_no_label_tokens:,} tokens); "
-            f"{self.duplicate_examples:,} duplicates kept"
+            f"tokenized {count(self.examples_in, 'example')} -> kept {self.examples_out:,} "
+            f"({count(self.real_tokens, 'token')}, {self.label_tokens:,} trained); "
+            f"skipped {count(self.bad_examples, 'bad row')}; "
+            f"truncated {self.truncated_examples:,} ({count(self.truncated_tokens, 'token')} cut); "
+            f"dropped {self.dropped_overlong_examples:,} overlong ({count(self.dropped_overlong_tokens, 'token')}) "
+            f"and {self.dropped_no_label_examples:,} with no trained token "
+            f"({count(self.dropped_no_label_tokens, 'token')}); {count(self.duplicate_examples, 'duplicate')} kept"
         )
 
     def named(self, kind: str, row_name: Callable[[int], str] = "row {:,}".format) -> str:
@@ -490,6 +491,7 @@ def tokenize_dataset(
     on_bad_row: OnBadRow = "error",
     rows: np.ndarray | None = None,
     row_name: Callable[[int], str] = "row {:,}".format,
+    announce: str | None = None,
 ) -> tuple[datasets.Dataset, TokenizationReport]:
     """Tokenize every example with `datasets.map` (batched, cached and checksummed next to the dataset's files).
 
@@ -503,6 +505,8 @@ def tokenize_dataset(
         on_bad_row: `error` raises a `DataError` naming the first bad rows; `skip` leaves them out, counted.
         rows: (len(dataset),) the source row of each dataset row (when `dataset` is a subset); None: the same.
         row_name: how messages name a row, e.g. `source.row_name` (`line 17 of chats.jsonl`).
+        announce: what the data is (`ChampChats() with smollm2`): log one line saying whether it is tokenized now
+            or read from the cache.
 
     Returns:
         The kept examples (columns `input_ids`, `labels`, `length`, `truncated_tokens`, `index` = row in `dataset`,
@@ -527,6 +531,13 @@ def tokenize_dataset(
     if folder is not None:
         _remove_stale_tmp(folder)
         _verify_cache(folder, fingerprint)
+    if announce and folder is not None and _record_path(folder, fingerprint).exists():
+        log.info("%s: reading the tokenized examples from the cache in %s", announce, folder)
+    elif announce:
+        log.info(
+            "%s: tokenizing %s (once: later runs with the same settings read the cache)",
+            announce, count(len(dataset), "example"),
+        )  # fmt: skip
     mapped = _map(dataset, tokenizer, shape, template, max_length, overlong, train_on, num_proc, rows, fingerprint)
     if folder is not None:
         _write_record(folder, fingerprint)

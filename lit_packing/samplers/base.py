@@ -37,6 +37,7 @@ from torch.utils.data import Sampler
 
 from lit_packing.batch import Pack, step_totals
 from lit_packing.errors import ConfigError, check_range
+from lit_packing.text import count
 
 
 @dataclass(frozen=True, eq=False)
@@ -183,6 +184,7 @@ class PlannedBatchSampler(Sampler[list]):
         # After a resume onto another world size / accumulation: (steps trained before, pack ids still to train).
         self._elastic: tuple[int, np.ndarray] | None = None
         self._plans: OrderedDict[tuple[int, int], PackPlan] = OrderedDict()
+        self.restored: str | None = None  # after `load_state_dict`: what it restored, in words
         self._check_rank()
 
     def connect(self, context: RunContext) -> PlannedBatchSampler:
@@ -376,9 +378,22 @@ class PlannedBatchSampler(Sampler[list]):
         elastic = state.get("elastic")
         if elastic is not None:
             self._elastic = (int(elastic[0]), np.asarray(elastic[1], dtype=np.int64))
-        if (int(state["world_size"]), int(state["accumulate"])) != (self.world_size, self.accumulate):
-            self._elastic = self._remaining_after(steps, int(state["world_size"]), int(state["accumulate"]))
+        saved = (int(state["world_size"]), int(state["accumulate"]))
+        if saved != (self.world_size, self.accumulate):
+            self._elastic = self._remaining_after(steps, *saved)
         self._yielded = self._resume_at = steps
+        self.restored = self._describe_restore(steps, *saved)
+
+    def _describe_restore(self, steps: int, world_size: int, accumulate: int) -> str:
+        """What ``load_state_dict`` restored, in one phrase (the data module prints it)."""
+        where = f"epoch {self.epoch}, micro-batch {steps:,} of {len(self):,}"
+        if (world_size, accumulate) == (self.world_size, self.accumulate):
+            return f"{where} of the same plan: exact"
+        rest = len(self._elastic[1]) if self._elastic is not None else 0
+        return (
+            f"{where} of the same plan, on {count(self.world_size, 'rank')} x {self.accumulate} accumulated instead "
+            f"of {world_size} x {accumulate}: the {count(rest, 'untrained pack')} re-dealt, every example still once"
+        )
 
     def _remaining_after(self, steps: int, world_size: int, accumulate: int) -> tuple[int, np.ndarray]:
         """``(steps, pack ids not yet trained)`` after ``steps`` micro-batches of the saved layout, in its order."""
