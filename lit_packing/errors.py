@@ -68,8 +68,9 @@ class TrainingError(LitPackingError):
     """The run cannot go on or did not train: a non-finite loss or gradient, no optimizer step taken."""
 
 
-class AssetError(LitPackingError, FileNotFoundError):
-    """A packaged asset (model, tokenizer, data file) or a local path that is not where the setting says."""
+class AssetError(ConfigError, FileNotFoundError):
+    """A packaged asset (model, tokenizer, data file), a local path or a Hub name that is not where the setting says:
+    named before anything is downloaded, so a typo never becomes a Hub request."""
 
 
 class IsolationError(LitPackingError):

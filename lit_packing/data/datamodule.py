@@ -243,7 +243,8 @@ class PackingDataModule(LightningDataModule):
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained(self.tokenizer_name, with_model=False))
+            folder = resolve_pretrained(self.tokenizer_name, with_model=False, setting="data.tokenizer")
+            self._tokenizer = AutoTokenizer.from_pretrained(folder)
         return self._tokenizer
 
     @property

@@ -17,10 +17,12 @@ Dataset with `Dataset.from_generator`, so the result lives in Arrow files that l
 
 from __future__ import annotations
 
+import glob
 import gzip
 import hashlib
 import importlib.metadata
 import json
+import os
 import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -31,8 +33,8 @@ from typing import Literal
 import datasets
 from datasets import Features, List, Value
 
-from lit_packing.assets import package_file
-from lit_packing.errors import ConfigError, DataError
+from lit_packing.assets import check_local_or_hub, package_file
+from lit_packing.errors import AssetError, ConfigError, DataError
 
 CHAT = "chat"
 PROMPT_COMPLETION = "prompt_completion"
@@ -332,9 +334,7 @@ class StateOfTheUnion(Source):
 
     def __init__(self, unit: Literal["paragraph", "document"] = "paragraph") -> None:
         if unit not in ("paragraph", "document"):
-            raise ConfigError(
-                "data.source.init_args.unit", f"{unit!r} is not a choice", "use paragraph or document"
-            )
+            raise ConfigError("data.source.init_args.unit", f"{unit!r} is not a choice", "use paragraph or document")
         self.unit = unit
 
     def load(self, cache_dir: str | None = None) -> datasets.Dataset:
@@ -505,6 +505,25 @@ class HFDataset(Source):
             return datasets.load_dataset(
                 _FILE_BUILDERS[local.suffix], data_files=str(local), split=self.split, cache_dir=cache_dir
             )
+        self._check_where()
         return datasets.load_dataset(
             self.path, self.name, split=self.split, data_files=self.data_files, cache_dir=cache_dir
         )
+
+    def _check_where(self) -> None:
+        """A local path or data file that does not exist, or a Hub dataset that cannot be reached, named in one
+        line before `datasets` makes any request."""
+        from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+        if self.path in _PACKAGED_DATASETS_MODULES:  # a builder (`json`, `parquet`, ...) reading `data_files`
+            files = self.data_files
+            patterns = [files] if isinstance(files, str) else list(files.values()) if isinstance(files, dict) else files
+            for pattern in (p for group in patterns or [] for p in ([group] if isinstance(group, str) else group)):
+                if not glob.glob(os.path.expanduser(pattern), recursive=True):
+                    raise AssetError(
+                        "data.source.init_args.data_files",
+                        f"{pattern!r} matches no local file (looked in {Path.cwd()})",
+                        "check the path",
+                    )
+            return
+        check_local_or_hub(self.path, "data.source.init_args.path", repo_type="dataset")
