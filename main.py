@@ -1,6 +1,10 @@
-"""Entry point: `python main.py fit --config configs/quickstart.yaml`."""
+"""Entry point of the repository: `python main.py fit --config configs/quickstart.yaml` (or `--config quickstart`).
 
-from lit_packing.cli import cli_main
+The same command as the installed `lit-packing` (`lit_packing.commands`): `fit`/`validate`/`test`/`predict`,
+`report`, `bench` and `configs`.
+"""
+
+from lit_packing.commands import main
 
 if __name__ == "__main__":
-    cli_main()
+    main()

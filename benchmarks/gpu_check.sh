@@ -14,13 +14,14 @@
 # 3. with flash-attn installed (<= 1 min): padding vs mini-batch packing with `flash_attn`, 2 rounds
 #    ($RESULTS/bench_gpu_flash/).
 # 4. peak memory of a step with a 152k vocabulary at 8k and 32k tokens (<= 45 s): full logits vs the chunked loss,
-#    each beside the memory estimate's prediction (benchmarks/loss_memory.py).
+#    each beside the memory estimate's prediction (python -m lit_packing.bench.loss_memory).
 # Every part is capped by what is left of BUDGET seconds (default 450: the script ends within 8 minutes), and a
 # part with under 20 s left is skipped.
 #
 # RESULTS: $OUT when set, else runs/.
 # Python: $PYTHON, else .venv/bin/python, else python3. lit_packing runs from the checkout (PYTHONPATH), nothing is
-# installed; it needs torch, transformers, lightning, torchmetrics, datasets, peft (and trl for the TRL row). On a
+# installed; it needs torch, transformers, lightning, torchmetrics, datasets, peft (and trl, the `bench` extra, for the
+# TRL row; without it the benchmark leaves that row out). On a
 # machine without an index, put wheels of a missing package in .whl/, e.g.:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl NAME==VERSION
@@ -81,7 +82,7 @@ else
 fi
 
 part 45 "loss memory: 152k vocabulary (Qwen2.5), 8k and 32k tokens, bf16-mixed: full logits vs chunked" \
-  "$PYTHON" benchmarks/loss_memory.py --device cuda --precision bf16-mixed --tokens 8192 32768 --impls full chunked
+  "$PYTHON" -m lit_packing.bench.loss_memory --device cuda --precision bf16-mixed --tokens 8192 32768 --impls full chunked
 
 echo "== done in ${SECONDS}s; results under $RESULTS/bench_gpu*"
 exit $status

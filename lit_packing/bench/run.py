@@ -25,9 +25,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lit_packing.bench.report import Report
-from lit_packing.bench.variants import VARIANTS, RunResult, RunSpec
+from lit_packing.bench.variants import INSTALL_BENCH, VARIANTS, RunResult, RunSpec, check_installed
 from lit_packing.cli import quiet_defaults
-from lit_packing.errors import ConfigError
+from lit_packing.errors import ConfigError, LitPackingError
 
 PRETRAINED = "smollm2"
 SMOKE_MODEL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -39,8 +39,9 @@ class BenchSettings:
     """What to run. Every field is a flag (`--rounds 5`) or a key of a YAML given with `--config`.
 
     Args:
-        variants: rows to run, of: padding, minibatch_packing, fixed_no_position_ids, fixed_position_ids,
-            bestfit_packing, multipack, hf_trainer, trl_bfd.
+        variants: rows to run, of: padding, padding_full_logits, minibatch_packing, fixed_no_position_ids,
+            fixed_position_ids, bestfit_packing, multipack, hf_trainer, trl_bfd (TRL, from the `bench` extra).
+            Default: every row whose packages are installed.
         pretrained: variants run a second time on the packaged pretrained SmolLM2-135M (30 layers, gradient
             checkpointing on), each as a row of its own.
         pretrained_rounds: rounds that include the pretrained rows (they are ~15x slower per token).
@@ -64,7 +65,7 @@ class BenchSettings:
         smoke: a wiring check in a minute or two: a 2-layer, 64-wide model, 48 short examples, 2 rounds of 1+2 steps.
     """
 
-    variants: list[str] = field(default_factory=lambda: list(VARIANTS))
+    variants: list[str] = field(default_factory=lambda: [name for name, v in VARIANTS.items() if v.installed])
     pretrained: list[str] = field(default_factory=lambda: ["minibatch_packing"])
     pretrained_rounds: int = 1
     model_config: dict = field(default_factory=lambda: {"num_hidden_layers": 4})
@@ -99,11 +100,7 @@ class BenchSettings:
         for name in ("rounds", "warmup_steps", "steps", "examples", "val_examples", "batch_size", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"{getattr(self, name)} is not >= 1", "use a positive count")
-        if "trl_bfd" in self.variants + self.pretrained and importlib.util.find_spec("trl") is None:
-            raise ConfigError(
-                "variants", "trl_bfd needs TRL, which is not installed",
-                'pip install -e ".[bench]", or leave trl_bfd out of --variants',
-            )  # fmt: skip
+        check_installed(self.variants + self.pretrained)
 
 
 def initial_weights(settings: BenchSettings) -> str:
@@ -213,12 +210,21 @@ def parse(argv: list[str] | None) -> BenchSettings:
 
 
 def main(argv: list[str] | None = None) -> Report:
-    settings = parse(argv)
+    """Run the benchmark; a bad setting is printed in one line (exit status 2), as `main.py` prints its own."""
+    try:
+        settings = parse(argv)
+    except LitPackingError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     quiet_defaults()
     settings.out.mkdir(parents=True, exist_ok=True)
     logs = settings.out / "logs"
     logs.mkdir(exist_ok=True)
     console = Console()
+    left_out = [name for name, variant in VARIANTS.items() if not variant.installed]
+    if left_out:
+        line = f"not installed, so not run: {', '.join(left_out)} ({INSTALL_BENCH} adds them)"
+        console.print(line, soft_wrap=True, markup=False)  # markup would eat `[bench]`
     console.print(f"preparing the initial weights in {settings.out / 'init_model'}")
     runs = plan_runs(settings, initial_weights(settings))
     results = []

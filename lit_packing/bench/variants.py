@@ -1,66 +1,92 @@
 """What the benchmark runs: each variant (ours by its config, the peers by their own trainers) and one run's record.
 
-A variant is trained for `warmup_steps + steps` optimizer steps by `worker.py` in a process of its own; the run's
-record (`RunResult`) carries the clock at the end of every optimizer step, every step's token counts and loss, the
+A variant is trained for `warmup_steps + steps` optimizer steps by `worker.py` (the peers by `peers.py`) in a process
+of its own; ours run the packaged config of their name (`paper` plus the variant's delta, `lit_packing.configs`). The
+run's record (`RunResult`) carries the clock at the end of every optimizer step, every step's token counts and loss, the
 validation loss after the last step, the peak memory of the timed steps and the epoch's counts from the variant's
 own loader.
 """
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Literal
 
-CONFIGS = Path(__file__).parents[2] / "configs"
+from lit_packing.configs import config_args
+from lit_packing.errors import ConfigError
 
 Kind = Literal["lit_packing", "hf_trainer", "trl"]
+INSTALL_BENCH = 'pip install "lit_packing[bench]"'  # the extra that brings the TRL row's `trl`
 
 
 @dataclass(frozen=True)
 class Variant:
     """One row of the table.
 
-    `config` (ours) is a file of `configs/`; `sampler_args` are the `data.sampler.init_args` the benchmark sets from
-    its own settings (`batch_size`, `max_tokens` or `row_tokens`: the step size every variant shares).
+    `config` is a packaged config name: ours train it, the peers take its data module (examples, split, batches);
+    `sampler_args` are the `data.sampler.init_args` the benchmark sets from its own settings (`batch_size`,
+    `max_tokens` or `row_tokens`: the step size every variant shares); `needs` is a module that must be installed
+    (the TRL row's `trl`, from the `bench` extra).
     """
 
     label: str
     kind: Kind
-    config: str = "minibatch_packing.yaml"
+    config: str = "minibatch_packing"
     sampler_args: tuple[str, ...] = ()
     extra: tuple[str, ...] = ()  # further CLI overrides, with {max_length} etc. filled in by `overrides`
+    needs: str | None = None
+
+    def config_args(self) -> list[str]:
+        """`--config` arguments of the variant's config: its base, then its delta."""
+        return config_args(self.config)
+
+    @property
+    def installed(self) -> bool:
+        """Whether what the variant needs is installed."""
+        return self.needs is None or importlib.util.find_spec(self.needs) is not None
 
 
 VARIANTS: dict[str, Variant] = {
-    "padding": Variant("padding", "lit_packing", "padding.yaml", ("batch_size",)),
+    "padding": Variant("padding", "lit_packing", "padding", ("batch_size",)),
     "padding_full_logits": Variant(
         "padding, full-logits loss (as plain transformers)",
         "lit_packing",
-        "padding.yaml",
+        "padding",
         ("batch_size",),
         ("--model.loss_impl=full",),
     ),
-    "minibatch_packing": Variant("mini-batch packing", "lit_packing", "minibatch_packing.yaml", ("batch_size",)),
+    "minibatch_packing": Variant("mini-batch packing", "lit_packing", "minibatch_packing", ("batch_size",)),
     "fixed_no_position_ids": Variant(
         "fixed-length, no position ids (contaminated)",
         "lit_packing",
-        "fixed_packing_no_position_ids.yaml",
+        "fixed_packing_no_position_ids",
         ("row_tokens",),
         ("--data.collator.init_args.row_length={max_length}",),
     ),
     "fixed_position_ids": Variant(
-        "fixed-length + position ids", "lit_packing", "fixed_packing_position_ids.yaml", ("row_tokens",)
+        "fixed-length + position ids", "lit_packing", "fixed_packing_position_ids", ("row_tokens",)
     ),
-    "bestfit_packing": Variant("best-fit packing", "lit_packing", "bestfit_packing.yaml", ("max_tokens",)),
-    "multipack": Variant("multipack", "lit_packing", "multipack.yaml", ("max_tokens",)),
+    "bestfit_packing": Variant("best-fit packing", "lit_packing", "bestfit_packing", ("max_tokens",)),
+    "multipack": Variant("multipack", "lit_packing", "multipack", ("max_tokens",)),
     # The peers' examples come from our mini-batch packing data module (the HF Trainer takes its batches).
     "hf_trainer": Variant("HF Trainer + DataCollatorWithFlattening + sdpa", "hf_trainer", sampler_args=("batch_size",)),
-    "trl_bfd": Variant("TRL SFTTrainer, padding_free + bfd packing", "trl", sampler_args=("batch_size",)),
+    "trl_bfd": Variant("TRL SFTTrainer, padding_free + bfd packing", "trl", sampler_args=("batch_size",), needs="trl"),
 }
 BASELINE = "padding"
 PAPER_METHOD = "minibatch_packing"
 PEER = "hf_trainer"
+
+
+def check_installed(names: Iterable[str]) -> None:
+    """Raise a one-line `ConfigError` naming the install command if a chosen variant's package is missing."""
+    for name in names:
+        if not VARIANTS[name].installed:
+            needs = VARIANTS[name].needs
+            raise ConfigError(
+                "variants", f"{name} needs {needs}, which is not installed", f"{INSTALL_BENCH}, or leave {name} out"
+            )
 
 
 @dataclass
@@ -88,7 +114,7 @@ class RunSpec:
     out: str  # this run's scratch folder
 
     def overrides(self) -> list[str]:
-        """The CLI overrides that put one of our configs on the benchmark's model, examples, steps and optimizer.
+        """The CLI overrides that put a variant's config on the benchmark's model, examples, steps and optimizer.
 
         Every variant gets the same optimizer (AdamW, constant learning rate, no weight decay, clipping at 1.0 as
         in the configs) so that the peers' Trainer can be set to exactly the same.

@@ -12,7 +12,8 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from lit_packing.bench.run import BenchSettings, main, parse, plan_runs
-from lit_packing.bench.variants import CONFIGS, VARIANTS, RunSpec
+from lit_packing.bench.variants import VARIANTS, RunSpec
+from lit_packing.configs import composition
 from lit_packing.cost import hardware_flops, model_shape
 from lit_packing.packing_report import configured_data
 from lit_packing.samplers import BestFitPackingSampler, FixedLengthPackingSampler, MultipackSampler
@@ -34,7 +35,7 @@ def data(bench):
     run = next(r for r in payload["runs"] if r["variant"] == "minibatch_packing")
     spec_file = out / "runs" / f"minibatch_packing-r{run['round']}" / "spec.json"
     spec = RunSpec(**json.loads(spec_file.read_text()))
-    module, _ = configured_data(CONFIGS / "minibatch_packing.yaml", spec.overrides())
+    module, _ = configured_data(composition("minibatch_packing"), spec.overrides())
     batches = [list(map(int, b)) for b in module.train_dataloader().batch_sampler]
     return spec, module.train_lengths, batches
 

@@ -1,19 +1,26 @@
-"""Every YAML under configs/ runs through the real CLI in-process (fast_dev_run, a tiny model of the same family)."""
+"""Every packaged config, as it runs (a whole file, or a base and its delta), through the real CLI in-process
+(fast_dev_run, a tiny model of the same family); config names, compositions and their errors."""
 
 import json
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import yaml
 
 from lit_packing.cli import cli_main
+from lit_packing.configs import DELTAS, FOLDER, composition, config_args, config_path, names
 
-CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+ROOT = Path(__file__).parents[2]
+COMPOSITIONS = [composition(name) for name in names()]  # [quickstart.yaml], [paper.yaml, padding.yaml], ...
 TINY = {
     "model_type": "llama", "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
     "max_position_embeddings": 8192, "tie_word_embeddings": True,
 }  # fmt: skip
+# What the paper's variants may differ in (the header of paper.yaml says so); everything else is paper.yaml's.
+VARIANT_KEYS = ("data.sampler", "data.collator", "data.val_sampler", "data.val_collator", "data.max_length")
 
 
 def tiny_overrides(tmp_path: Path) -> list[str]:
@@ -33,23 +40,61 @@ def tiny_overrides(tmp_path: Path) -> list[str]:
     ]
 
 
-def pack_cap(config: Path) -> list[str]:
+def pack_cap(files: list[Path]) -> list[str]:
     """Packs of at most 4,096 tokens where the config packs by tokens: a 32k-token pack's fp32 logits over SmolLM2's
     vocabulary take 6 GiB, and their gradients as much again, even with the tiny model."""
-    sampler = (yaml.safe_load(config.read_text()).get("data") or {}).get("sampler") or {}
-    return ["--data.sampler.init_args.max_tokens=4096"] if "max_tokens" in (sampler.get("init_args") or {}) else []
+    samplers = [(yaml.safe_load(f.read_text()).get("data") or {}).get("sampler") or {} for f in files]
+    capped = any("max_tokens" in (sampler.get("init_args") or {}) for sampler in samplers)
+    return ["--data.sampler.init_args.max_tokens=4096"] if capped else []
+
+
+def resolved(args: list[str], capsys) -> dict:
+    """The fully resolved config (`fit ... --print_config`), without the list of config files."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", *args, "--print_config"])
+    assert exit_info.value.code in (0, None), capsys.readouterr().err
+    config = yaml.safe_load(capsys.readouterr().out)
+    config.pop("config", None)
+    return config
+
+
+def leaves(tree: dict, prefix: str = "") -> dict[str, object]:
+    """`{"data.sampler.init_args.batch_size": 8, ...}`: every leaf of a nested config by its dotted path."""
+    if not isinstance(tree, dict) or not tree:
+        return {prefix: tree}
+    return {k: v for key, value in tree.items() for k, v in leaves(value, f"{prefix}.{key}" if prefix else key).items()}
+
+
+def error_line(args: list[str], capsys) -> str:
+    """The one line a toolkit error prints before the CLI exits with status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
 
 
 def test_every_config_is_found():
-    names = {c.stem for c in CONFIGS}
-    assert {"quickstart", "padding", "minibatch_packing", "bestfit_packing", "gpu", "multipack"} <= names
-    assert {"fixed_packing_position_ids", "fixed_packing_no_position_ids"} <= names
+    found = set(names())
+    assert {"quickstart", "gpu", "paper", "padding", "minibatch_packing", "bestfit_packing", "multipack"} <= found
+    assert {"fixed_packing_position_ids", "fixed_packing_no_position_ids", "multinode"} <= found
+    assert set(DELTAS) | set(DELTAS.values()) <= found
+    assert (ROOT / "configs").resolve() == FOLDER.resolve()  # the repository's configs/ is the packaged folder
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.stem)
-def test_config_fits_with_fast_dev_run(config, tmp_path, monkeypatch):
+# The quickstart's run is in `make test`; the other configs' runs (5-15 s each on 2 cores) are `slow`, run by CI.
+CONFIG_RUNS = [
+    pytest.param(files, marks=() if [f.stem for f in files] == ["quickstart"] else pytest.mark.slow)
+    for files in COMPOSITIONS
+]
+
+
+@pytest.mark.parametrize("files", CONFIG_RUNS, ids=lambda files: "+".join(f.stem for f in files))
+def test_config_fits_with_fast_dev_run(files, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cli = cli_main(["fit", "--config", str(config), *tiny_overrides(tmp_path), *pack_cap(config)])
+    configs = [arg for f in files for arg in ("--config", str(f))]
+    cli = cli_main(["fit", *configs, *tiny_overrides(tmp_path), *pack_cap(files)])
     assert cli.trainer.state.finished
     assert cli.trainer.global_step == 2
     assert cli.trainer.callback_metrics["train/loss"].isfinite()
@@ -57,17 +102,62 @@ def test_config_fits_with_fast_dev_run(config, tmp_path, monkeypatch):
 
 def test_print_config_resolves_links_and_class_paths(capsys):
     with pytest.raises(SystemExit):
-        cli_main(["fit", "--config", str(CONFIGS[0]), "--print_config"])
+        cli_main(["fit", *config_args("bestfit_packing"), "--print_config"])
     printed = capsys.readouterr().out
-    assert "BestFitPackingSampler" in printed or "RandomBatchSampler" in printed
+    assert "BestFitPackingSampler" in printed
     assert "attn_backend" in printed
+
+
+def test_paper_variants_differ_only_in_their_sampler_collator_and_length(capsys):
+    paper = leaves(resolved(["--config", "paper"], capsys))
+    for delta in (name for name, base in DELTAS.items() if base == "paper"):
+        variant = leaves(resolved(["--config", "paper", "--config", delta], capsys))
+        changed = {key for key in paper.keys() | variant.keys() if paper.get(key) != variant.get(key)}
+        assert changed, delta
+        assert all(key.startswith(VARIANT_KEYS) for key in changed), (delta, sorted(changed))
+
+
+def test_a_name_resolves_to_the_packaged_config(capsys):
+    by_path = resolved(["--config", str(ROOT / "configs" / "quickstart.yaml")], capsys)
+    assert resolved(["--config", "quickstart"], capsys) == by_path
+    assert resolved(["--config=quickstart.yaml"], capsys) == by_path
+    assert resolved(["-c", "quickstart"], capsys) == by_path
+    assert config_path("quickstart") == FOLDER / "quickstart.yaml"
+    composed = resolved(["--config", "paper", "--config", "padding"], capsys)
+    assert composed == resolved(["--config", str(ROOT / "configs" / "paper.yaml"), "--config=padding"], capsys)
+    assert composed["data"]["collator"]["class_path"] == "lit_packing.data.PaddedCollator"
+
+
+def test_an_unknown_name_lists_the_packaged_ones(capsys):
+    err = error_line(["fit", "--config", "quickstrat"], capsys)
+    assert "'quickstrat' is neither a file nor a packaged config" in err
+    assert all(name in err for name in names())
+
+
+@pytest.mark.parametrize("given", ["padding", str(ROOT / "configs" / "multinode.yaml")], ids=["name", "path"])
+def test_a_delta_alone_names_its_base(given, capsys):
+    delta = Path(given).stem
+    err = error_line(["fit", "--config", given], capsys)
+    assert f"use --config {DELTAS[delta]} --config {delta}" in err
+
+
+def test_the_command_line_is_rewritten_in_place(monkeypatch, capsys):
+    """main.py and `lit-packing` pass no `args`: the names are resolved in `sys.argv` itself, so that LightningCLI
+    reads one command line (given `args` and `sys.argv` both, it warns)."""
+    monkeypatch.setattr(sys, "argv", ["main.py", "fit", "--config", "quickstart", "--print_config"])
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit):
+        warnings.simplefilter("always")
+        cli_main()
+    assert sys.argv[3] == str(config_path("quickstart"))
+    assert "BestFitPackingSampler" in capsys.readouterr().out
+    assert not [w for w in caught if "args parameter" in str(w.message)]
 
 
 def test_sampler_and_backend_swap_from_the_command_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = cli_main(
         [
-            "fit", "--config", str(Path(__file__).parents[2] / "configs" / "quickstart.yaml"),
+            "fit", "--config", str(ROOT / "configs" / "quickstart.yaml"),
             *tiny_overrides(tmp_path),
             "--data.sampler=lit_packing.samplers.SequentialPackingSampler",
             "--data.sampler.init_args.max_tokens=700",
@@ -81,10 +171,9 @@ def test_sampler_and_backend_swap_from_the_command_line(tmp_path, monkeypatch):
 
 def test_validate_and_test_subcommands_agree_on_the_held_out_split(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    quickstart = str(Path(__file__).parents[2] / "configs" / "quickstart.yaml")
     common = [arg for arg in tiny_overrides(tmp_path) if not arg.startswith("--trainer.fast_dev_run")]
     common.append("--trainer.limit_val_batches=1.0")  # all held-out batches, as `test` uses
-    validated = cli_main(["validate", "--config", quickstart, *common]).trainer.callback_metrics
-    tested = cli_main(["test", "--config", quickstart, *common]).trainer.callback_metrics
+    validated = cli_main(["validate", "--config", "quickstart", *common]).trainer.callback_metrics
+    tested = cli_main(["test", "--config", "quickstart", *common]).trainer.callback_metrics
     assert float(tested["test/loss"]) == pytest.approx(float(validated["val/loss"]), rel=1e-6)
     assert float(tested["test/perplexity"]) > 1

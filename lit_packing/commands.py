@@ -1,0 +1,49 @@
+"""The `lit-packing` command (also `python main.py` and `python -m lit_packing`): training, the report, the benchmark.
+
+    lit-packing fit --config quickstart          # LightningCLI: fit, validate, test, predict (as python main.py)
+    lit-packing report --config quickstart       # the packing report (python -m lit_packing.packing_report)
+    lit-packing bench --smoke                    # the benchmark (python -m lit_packing.bench)
+    lit-packing configs                          # the packaged configs: name, how it runs, what it is
+
+A `--config` value is a file or the name of a packaged config; a packaged delta runs after its base
+(`--config paper --config padding`). Anything else on the command line goes to the command as it is.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+
+def main() -> None:
+    """Run the command `sys.argv` names: `report`, `bench`, `configs`, or else the training CLI."""
+    command, rest = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else (None, [])
+    if command in ("report", "bench"):
+        del sys.argv[1:]  # these build the training CLI in-process from `rest`: LightningCLI must not see argv too
+        if command == "report":
+            from lit_packing.packing_report import main as report
+
+            report(rest)
+        else:
+            from lit_packing.bench.run import main as bench
+
+            bench(rest)
+    elif command == "configs":
+        print_configs()
+    else:
+        if command in ("-h", "--help"):
+            print(__doc__.split("\n\n")[1].rstrip("\n") + "\n")
+        from lit_packing.cli import cli_main
+
+        cli_main()
+
+
+def print_configs() -> None:
+    """Every packaged config: its name, the `--config` arguments it runs with, and its header's first sentence."""
+    from lit_packing.configs import DELTAS, describe, names
+
+    width = max(map(len, names()))
+    for name in names():
+        runs = f"--config {DELTAS[name]} --config {name}" if name in DELTAS else f"--config {name}"
+        print(f"{name:<{width}}  {runs}")
+        print(textwrap.fill(describe(name), 116, initial_indent="    ", subsequent_indent="    "))

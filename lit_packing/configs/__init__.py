@@ -1,0 +1,122 @@
+"""The packaged configs, addressable by name: `--config quickstart` is this folder's `quickstart.yaml`.
+
+    python main.py fit --config paper --config padding     # = --config configs/paper.yaml --config configs/padding.yaml
+
+Whole configs run alone (`quickstart`, `gpu`, `paper`); a delta holds only what makes it a variant and runs after
+its base (`DELTAS`): jsonargparse merges the `--config` files in order, later values winning. A `--config` value
+that is not an existing file and has no path separator names a packaged config (with or without `.yaml`).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from lit_packing.errors import ConfigError
+
+FOLDER = Path(__file__).parent
+# Each delta and the base it goes on: `--config <base> --config <delta>`.
+DELTAS: dict[str, str] = {
+    "padding": "paper",
+    "minibatch_packing": "paper",
+    "fixed_packing_no_position_ids": "paper",
+    "fixed_packing_position_ids": "paper",
+    "bestfit_packing": "paper",
+    "multipack": "paper",
+    "multinode": "gpu",
+}
+_NAME = re.compile(r"[\w.-]+")  # a bare name; anything else (a path, an inline YAML string) is left to jsonargparse
+
+
+def names() -> list[str]:
+    """The packaged configs' names, sorted: `quickstart`, `paper`, `padding`, ..."""
+    return sorted(path.stem for path in FOLDER.glob("*.yaml"))
+
+
+def config_path(name: str) -> Path:
+    """The packaged file of a config name (`quickstart` or `quickstart.yaml`).
+
+    Raises:
+        ConfigError: no packaged config has that name; the message lists the names there are.
+    """
+    stem = name.removesuffix(".yaml")
+    path = FOLDER / f"{stem}.yaml"
+    if not _NAME.fullmatch(stem) or not path.is_file():
+        problem = f"{name!r} is neither a file nor a packaged config"
+        raise ConfigError("--config", problem, f"give a path, or one of: {', '.join(names())}")
+    return path
+
+
+def describe(name: str) -> str:
+    """The first sentence of a packaged config's header comment (what `lit-packing configs` prints)."""
+    header = []
+    for line in config_path(name).read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line.lstrip("#").strip())
+    return " ".join(header).split(". ")[0].rstrip(".") + "."
+
+
+def composition(name: str) -> list[Path]:
+    """The files a packaged config runs as, in `--config` order: `[paper.yaml, padding.yaml]` for a delta, else
+    `[quickstart.yaml]`."""
+    stem = name.removesuffix(".yaml")
+    base = DELTAS.get(stem)
+    return [*([config_path(base)] if base else []), config_path(stem)]
+
+
+def config_args(name: str) -> list[str]:
+    """`composition(name)` as arguments: `["--config", ".../paper.yaml", "--config", ".../padding.yaml"]`."""
+    return [arg for path in composition(name) for arg in ("--config", str(path))]
+
+
+def _packaged_delta(value: str) -> str | None:
+    """The name of the packaged delta `value` points at (by name or by path), else None."""
+    path = Path(value)
+    if path.is_file():
+        if path.resolve().parent != FOLDER.resolve():
+            return None
+        stem = path.stem
+    else:
+        stem = value.removesuffix(".yaml")
+    return stem if stem in DELTAS else None
+
+
+def resolve_config_args(args: list[str] | None = None) -> list[str]:
+    """Replace every `--config NAME` (`--config=NAME`, `-c NAME`) naming a packaged config by that config's path.
+
+    With `args=None` the process's own `sys.argv[1:]` is rewritten in place (as `main.py` and the `lit-packing`
+    command run) and returned; a list is returned rewritten, itself unchanged.
+
+    Raises:
+        ConfigError: an unknown name, or a packaged delta given first (it holds only what differs from its base).
+    """
+    argv = sys.argv[1:] if args is None else list(args)
+    configs: list[int] = []  # positions of the --config values
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            argv[i] = "--config=" + _resolve(arg.removeprefix("--config="))
+            configs.append(i)
+        elif arg in ("--config", "-c") and i + 1 < len(argv):
+            argv[i + 1] = _resolve(argv[i + 1])
+            configs.append(i + 1)
+    if configs:
+        first = argv[configs[0]].removeprefix("--config=")
+        delta = _packaged_delta(first)
+        if delta is not None:
+            raise ConfigError(
+                "--config",
+                f"{delta} holds only what makes its variant and runs on top of {DELTAS[delta]}",
+                f"use --config {DELTAS[delta]} --config {delta}",
+            )
+    if args is None:
+        sys.argv[1:] = argv
+    return argv
+
+
+def _resolve(value: str) -> str:
+    """A `--config` value: an existing file, a path or an inline YAML string unchanged; a name as its packaged path."""
+    if Path(value).exists() or not _NAME.fullmatch(value):
+        return value
+    return str(config_path(value))

@@ -1,0 +1,147 @@
+"""`pip install .` into a fresh virtual environment outside the repository runs the documented commands.
+
+The wheel is built from a copy of the package's sources, installed with `--no-deps` into a new venv that sees the
+development venv's packages (a `.pth` file pointing at a folder of links to them) except lit_packing itself and TRL,
+i.e. a plain install without the `bench` extra. From a folder outside the repository, with the Hub offline:
+`lit-packing fit --config quickstart` (tiny random model, 2 steps), `lit-packing report --config quickstart`, and
+`python -m lit_packing.bench --smoke` (every row but TRL's; choosing TRL's names the extra to install).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).parents[1]
+DEV_SITE = Path(sysconfig.get_paths()["purelib"])
+TINY = {
+    "model_type": "llama", "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 8192, "tie_word_embeddings": True,
+}  # fmt: skip
+SMALL_RUN = [f"--model.model_config={json.dumps(TINY)}", "--data.limit=64", "--data.val_split=8",
+             "--data.max_length=256"]  # fmt: skip
+
+
+def hidden(name: str) -> bool:
+    """Entries of the development site-packages the fresh venv must not see: lit_packing's editable install (its
+    `.pth` hook and finder, its metadata) and TRL (the `bench` extra); `.pth` files are not run from there anyway."""
+    return name.startswith(("lit_packing", "__editable__", "trl-")) or name == "trl" or name.endswith(".pth")
+
+
+def run(argv: list[str], env: dict[str, str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout, check=False)
+
+
+def ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert done.returncode == 0, f"{' '.join(done.args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory) -> dict:
+    """The wheel built and installed in a fresh venv; its bin folder, a working folder and the commands' env."""
+    tmp = tmp_path_factory.mktemp("install")
+    source = tmp / "source"  # a copy: the build writes build/ and *.egg-info next to the sources
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "lit_packing", source / "lit_packing", ignore=shutil.ignore_patterns("__pycache__"))
+    wheels = tmp / "wheels"
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)]
+    ok(run([*build, str(source)], dict(os.environ), tmp))
+    (wheel,) = wheels.glob("lit_packing-*.whl")
+    shipped = zipfile.ZipFile(wheel).namelist()
+    assert "lit_packing/configs/quickstart.yaml" in shipped and "lit_packing/configs/paper.yaml" in shipped
+    assert "lit_packing/bench/peers.py" in shipped
+    assert not [name for name in shipped if name.startswith(("tests/", "benchmarks/", "configs/", "main.py"))]
+    (entry_points,) = [name for name in shipped if name.endswith(".dist-info/entry_points.txt")]
+    assert "lit-packing = lit_packing.commands:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+    env_dir = tmp / "venv"
+    ok(run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], dict(os.environ), tmp))
+    python = env_dir / "bin" / "python"
+    site = Path(ok(run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                       dict(os.environ), tmp)).stdout.strip())  # fmt: skip
+    deps = tmp / "deps"
+    deps.mkdir()
+    for entry in DEV_SITE.iterdir():
+        if not hidden(entry.name):
+            (deps / entry.name).symlink_to(entry)
+    (site / "dev_packages.pth").write_text(f"{deps}\n")
+    ok(run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
+            str(wheel)], dict(os.environ), tmp))  # fmt: skip
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(PATH=f"{env_dir / 'bin'}{os.pathsep}{env['PATH']}", VIRTUAL_ENV=str(env_dir), HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    work = tmp / "work"  # outside the repository: nothing of the checkout is importable or readable from here
+    work.mkdir()
+    return {"bin": env_dir / "bin", "site": site, "env": env, "work": work}
+
+
+def test_the_wheel_is_what_imports(venv):
+    probe = (
+        "import importlib.util, lit_packing, lit_packing.configs as c\n"
+        "print(lit_packing.__file__); print(c.config_path('quickstart')); print(importlib.util.find_spec('trl'))"
+    )
+    lines = ok(run([str(venv["bin"] / "python"), "-c", probe], venv["env"], venv["work"])).stdout.splitlines()
+    assert lines[0].startswith(str(venv["site"] / "lit_packing")), lines[0]
+    assert lines[1] == str(venv["site"] / "lit_packing" / "configs" / "quickstart.yaml")
+    assert lines[2] == "None"  # no bench extra here
+
+
+def test_fit_by_config_name(venv):
+    out = venv["work"] / "fit"
+    logger = {"class_path": "CSVLogger", "init_args": {"save_dir": str(out), "name": "quickstart"}}
+    fit = [str(venv["bin"] / "lit-packing"), "fit", "--config", "quickstart", *SMALL_RUN, "--trainer.max_steps=2",
+           f"--trainer.logger={json.dumps(logger)}", f"--trainer.default_root_dir={out}",
+           "--trainer.enable_checkpointing=false"]  # fmt: skip
+    done = ok(run(fit, venv["env"], venv["work"]))
+    assert "effective tokens/s" in done.stdout  # the end-of-fit summary
+    (metrics,) = out.glob("quickstart/version_*/metrics.csv")
+    header, *rows = metrics.read_text().splitlines()
+    assert "train/loss" in header and "val/loss" in header and rows
+    assert (metrics.parent / "config.yaml").is_file()
+
+
+def test_packing_report_by_config_name(venv):
+    png = venv["work"] / "report" / "packing_report.png"
+    png.parent.mkdir()
+    report = [str(venv["bin"] / "lit-packing"), "report", "--config", "quickstart", *SMALL_RUN, "--out", str(png)]
+    done = ok(run(report, venv["env"], venv["work"]))
+    assert re.search(r"quickstart: \d+ examples, batch_size=8, max_tokens=2,048", done.stdout)  # the table's title
+    assert "straggler factor" in done.stdout
+    assert png.stat().st_size > 10_000
+
+
+def test_benchmark_smoke_run_without_the_bench_extra(venv):
+    out = venv["work"] / "bench"
+    bench = [str(venv["bin"] / "python"), "-m", "lit_packing.bench"]
+    done = ok(run([*bench, "--smoke", "--out", str(out)], venv["env"], venv["work"], timeout=1200))
+    assert 'not installed, so not run: trl_bfd (pip install "lit_packing[bench]" adds them)' in done.stdout
+    table = json.loads((out / "bench.json").read_text())["table"]
+    assert [row["row"] for row in table] == [
+        "padding", "padding_full_logits", "minibatch_packing", "fixed_no_position_ids", "fixed_position_ids",
+        "bestfit_packing", "multipack", "hf_trainer",
+    ]  # fmt: skip
+    assert "| mini-batch packing |" in (out / "bench.md").read_text()
+    assert (out / "bench.png").stat().st_size > 10_000
+
+    chosen = run([*bench, "--smoke", "--variants", "[trl_bfd]", "--out", str(out / "trl")], venv["env"], venv["work"])
+    assert chosen.returncode == 2
+    assert chosen.stderr.strip().splitlines() == [
+        'error: variants: trl_bfd needs trl, which is not installed; pip install "lit_packing[bench]", or leave '
+        "trl_bfd out"
+    ]
