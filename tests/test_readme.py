@@ -9,6 +9,8 @@ name, each in its own order, so that `--ckpt_path` finds the checkpoint an earli
   page shows. Commands that need a GPU or the Hub (`configs/gpu.yaml`, a Hub model name) and the `main.py`
   command inside a multi-node launcher (`torchrun`, `srun`) are checked for parse errors only (`--print_config`):
   this suite runs on CPU without network.
+- `lit-packing fit|validate|test|report ...` (the installed command): as `python main.py ...` and
+  `python -m lit_packing.packing_report ...`.
 - `python -m lit_packing.packing_report ...`: run as written. `python -m lit_packing.bench ...`: its settings parsed and
   checked (the benchmark itself runs, smoke-sized, in tests/bench/).
 - `python benchmarks/*.py ...`: `--help`, and every option the page passes must be one the script accepts.
@@ -147,7 +149,7 @@ def main_py_args(words: list[str]) -> tuple[list[str], bool]:
     joined = " ".join(args)
     if "--print_config" in args:
         return args, True
-    if "configs/gpu.yaml" in joined:  # a GPU (and here a Hub model): parse errors only
+    if "configs/gpu.yaml" in joined or "--config gpu" in joined:  # a GPU (and here a Hub model): parse errors only
         return [*args, "--print_config"], True
     extra = [f"--model.model_config={json.dumps(TINY)}"]
     if "--model.name_or_path=" in joined:  # a local folder a page's command wrote (an export): its own weights
@@ -162,6 +164,10 @@ def main_py_args(words: list[str]) -> tuple[list[str], bool]:
 def test_documented_command_runs(page, words, scratch, monkeypatch, capsys):
     monkeypatch.chdir(scratch)
     command = " ".join(words)
+    if words[0] == "lit-packing":  # the installed command: the same entry as `python main.py` (tests/test_install.py)
+        words = ["python", "main.py", *words[1:]] if words[1] in ("fit", "validate", "test") else words
+    if words[:2] == ["lit-packing", "report"]:
+        words = ["python", "-m", "lit_packing.packing_report", *words[2:]]
     if words[:2] == ["python", "main.py"]:
         args, parse_only = main_py_args(words)
         if parse_only:

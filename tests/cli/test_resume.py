@@ -22,6 +22,7 @@ from lit_packing.data import Chatterbot, PackingDataModule
 from lit_packing.data.tokenize import column
 
 ROOT = Path(__file__).parents[2]
+MULTINODE = ("configs/gpu.yaml", "configs/multinode.yaml")  # a delta on the GPU config
 DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
 # A callback the runs load from tmp_path: it writes every micro-batch's source rows (and may slow the run down, so
@@ -44,7 +45,11 @@ class Recorder(Callback):
 
 
 def fit_args(
-    tmp_path: Path, model_config: dict, name: str, config: str = "configs/quickstart.yaml", delay: float = 0.0
+    tmp_path: Path,
+    model_config: dict,
+    name: str,
+    configs: tuple[str, ...] = ("configs/quickstart.yaml",),
+    delay: float = 0.0,
 ) -> list[str]:
     callbacks = [
         {"class_path": "recorder.Recorder", "init_args": {"path": str(tmp_path / f"{name}.jsonl"), "delay": delay}},
@@ -55,7 +60,8 @@ def fit_args(
         },
     ]  # fmt: skip
     return [
-        sys.executable, str(ROOT / "main.py"), "fit", "--config", str(ROOT / config),
+        sys.executable, str(ROOT / "main.py"), "fit",
+        *(arg for config in configs for arg in ("--config", str(ROOT / config))),
         f"--model.model_config={json.dumps(model_config)}",
         "--model.lr=1e-3",
         "--data.source=lit_packing.data.Chatterbot",
@@ -146,7 +152,7 @@ def test_two_node_launch_on_loopback_then_resume_on_one_process(tmp_path, tiny_l
     checkpoint mid-epoch; one process resumes it: every example of the epoch is trained exactly once."""
     (tmp_path / "recorder.py").write_text(RECORDER)
     port = free_port()
-    common = fit_args(tmp_path, tiny_llama_config, "nodes", config="configs/multinode.yaml")[1:]  # drop the interpreter
+    common = fit_args(tmp_path, tiny_llama_config, "nodes", configs=MULTINODE)[1:]  # drop the interpreter
     common += ["--trainer.num_nodes=2", "--trainer.devices=1", "--trainer.max_epochs=1", "--trainer.max_steps=2"]
     nodes = [
         subprocess.Popen(
@@ -175,7 +181,7 @@ def test_two_node_launch_on_loopback_then_resume_on_one_process(tmp_path, tiny_l
     per_rank = [records(tmp_path / f"nodes.jsonl.rank{r}") for r in (0, 1)]
     assert len(per_rank[0]) == len(per_rank[1]) == 4  # 2 optimizer steps x 2 micro-batches, on each node
 
-    single = fit_args(tmp_path, tiny_llama_config, "single", config="configs/multinode.yaml")
+    single = fit_args(tmp_path, tiny_llama_config, "single", configs=MULTINODE)
     single += ["--trainer.num_nodes=1", "--trainer.devices=1", "--trainer.max_epochs=1",
                f"--ckpt_path={tmp_path / 'nodes' / 'step=2.ckpt'}"]  # fmt: skip
     done = subprocess.run(single, cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=600)

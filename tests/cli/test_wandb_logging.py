@@ -11,7 +11,7 @@ from wandb.proto import wandb_internal_pb2
 from lit_packing.callbacks import throughput as throughput_module
 from lit_packing.cli import cli_main
 
-CONFIG = Path(__file__).parents[2] / "configs" / "padding.yaml"
+CONFIGS = Path(__file__).parents[2] / "configs"
 TINY = {
     "model_type": "llama", "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 8192,
@@ -56,7 +56,8 @@ def test_wandb_offline_run_logs_padding_ratio_and_effective_tokens_per_sec(tmp_p
     logger = {"class_path": "WandbLogger", "init_args": {"project": "t", "save_dir": str(tmp_path), "offline": True}}
     cli = cli_main(
         [
-            "fit", "--config", str(CONFIG), f"--model.model_config={json.dumps(TINY)}",
+            "fit", "--config", str(CONFIGS / "paper.yaml"), "--config", str(CONFIGS / "padding.yaml"),
+            f"--model.model_config={json.dumps(TINY)}",
             "--data.limit=48", "--data.val_split=0", "--data.max_length=2048", "--data.sampler.init_args.batch_size=4",
             "--trainer.max_steps=3", "--trainer.limit_val_batches=0", "--trainer.accelerator=cpu",
             "--trainer.log_every_n_steps=1", f"--trainer.logger={json.dumps(logger)}",
