@@ -74,7 +74,7 @@ class _StderrHandler(logging.StreamHandler):
 
 def quiet_defaults() -> None:
     """Filter third-party tips and known-harmless warnings; show lit_packing's own INFO lines (e.g. the one-time
-    model conversion, which takes ~30 s); no colour codes when output is not a terminal."""
+    model conversion); no colour codes when output is not a terminal."""
     for pattern in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
@@ -155,9 +155,16 @@ class PackingCLI(LightningCLI):
 
 
 def cli_main(args: ArgsType = None, run: bool = True) -> PackingCLI:
-    """Build (and by default run) the CLI; `args` as a list runs in-process, e.g. from tests."""
+    """Build (and by default run) the CLI; `args` as a list runs in-process, e.g. from tests. A `--config` value
+    may name a packaged config (`--config quickstart`, see `lit_packing.configs`)."""
+    from lit_packing.configs import resolve_config_args
+
     quiet_defaults()
     try:
+        if args is None:
+            resolve_config_args()  # rewrites sys.argv[1:] in place: LightningCLI reads it (args and argv both warn)
+        elif isinstance(args, (list, tuple)):
+            args = resolve_config_args(list(args))
         return PackingCLI(
             PackedCausalLM,
             PackingDataModule,
