@@ -12,25 +12,31 @@ not a terminal), validation cadence as a fraction of the run, and third-party ti
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
+import re
 import sys
 import warnings
+from typing import NoReturn
 
 import datasets
 import transformers
+from jsonargparse import ArgumentParser
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lit_packing.callbacks import PackingMonitor, TokenThroughputMonitor
 from lit_packing.callbacks.checkpoint import LastCheckpoint
 from lit_packing.callbacks.progress import progress_callback
 from lit_packing.callbacks.validation import ValidationSchedule
 from lit_packing.data import PackingDataModule
-from lit_packing.errors import LitPackingError, TrainingError
+from lit_packing.errors import ConfigError, LitPackingError, TrainingError
 from lit_packing.models import PackedCausalLM
+from lit_packing.preflight import preflight
 
 # W&B offline (sync later with `wandb sync runs/wandb/offline-run-*`) plus a CSV file; both under runs/.
 DEFAULT_LOGGERS = [
@@ -40,6 +46,8 @@ DEFAULT_LOGGERS = [
     },
     {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs", "name": "lit_packing"}},
 ]
+# Settings set through another (`link_arguments`): an error about one is about the setting the user gave.
+LINKED = {"data.tokenizer": "model.name_or_path"}
 # Lightning's advertising, and messages that our own defaults make harmless (each explained where it is filtered).
 QUIET_LOG_MESSAGES = ("💡 Tip:",)
 QUIET_WARNINGS = (
@@ -60,16 +68,17 @@ class _DropMessages(logging.Filter):
         return not str(record.msg).startswith(QUIET_LOG_MESSAGES)
 
 
-class _StderrHandler(logging.StreamHandler):
-    """A handler writing to whatever `sys.stderr` is when a record comes (pytest and notebooks replace it)."""
+class _StdoutHandler(logging.StreamHandler):
+    """A handler writing to whatever `sys.stdout` is when a record comes (pytest and notebooks replace it): every
+    line of the toolkit's, and Lightning's own, on the one stream that `| tee run.log` keeps."""
 
     @property
     def stream(self):
-        return sys.stderr
+        return sys.stdout
 
     @stream.setter
     def stream(self, value) -> None:
-        """The stream is always the current `sys.stderr`."""
+        """The stream is always the current `sys.stdout`."""
 
 
 def quiet_defaults() -> None:
@@ -82,11 +91,19 @@ def quiet_defaults() -> None:
         rank_zero.addFilter(_DropMessages())
     ours = logging.getLogger("lit_packing")
     if not ours.handlers:
-        handler = _StderrHandler()
+        handler = _StdoutHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.addFilter(lambda record: rank_zero_only.rank == 0)  # one copy of each line, however many ranks
         ours.addHandler(handler)
         ours.setLevel(logging.INFO)
         ours.propagate = False
+    for name in ("lightning.pytorch", "lightning.fabric"):  # Lightning's own lines, on the same stream as ours
+        logger = logging.getLogger(name)
+        for handler in [h for h in logger.handlers if type(h) is logging.StreamHandler]:
+            logger.removeHandler(handler)
+            replacement = _StdoutHandler()
+            replacement.setFormatter(handler.formatter)
+            logger.addHandler(replacement)
     os.environ.setdefault("WANDB_SILENT", "true")  # W&B's banner; `wandb sync` is printed in our README and config
     if not sys.stdout.isatty():
         os.environ.setdefault("NO_COLOR", "1")  # rich and W&B honour it
@@ -119,8 +136,60 @@ class LogConfigCallback(SaveConfigCallback):
         self.already_saved = True
 
 
+class PackingArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors are one line: a mistyped key ends with the nearest valid one, a wrong
+    choice or type names what is accepted; no usage dump above it. The one place that words jsonargparse's own
+    errors for a user."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:  # jsonargparse probing a value: it catches this itself
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        print(f"error: {explain_parse_error(message, parser)}", flush=True)
+        raise SystemExit(2)
+
+
+def explain_parse_error(message: str, parser: ArgumentParser) -> str:
+    """jsonargparse's message for a bad command line or config, as one line that names the fix."""
+    options = sorted({s for action in parser._actions for s in action.option_strings if s.startswith("--")})
+    flat = " ".join(message.split())
+    unknown = re.search(r"unrecognized arguments: (--[\w.\-]+)", flat) or re.search(
+        r"does not accept (?:nested )?(?:option|key) '([\w.\-]+)'", flat
+    )
+    if unknown:
+        key = unknown[1] if unknown[1].startswith("--") else f"--{unknown[1]}"
+        near = difflib.get_close_matches(key, options, n=1, cutoff=0.6)
+        prog = parser.prog.replace(" [options]", "")
+        hint = f"did you mean {near[0]}?" if near else f"`{prog} --help` lists the settings"
+        return f"{key.removeprefix('--')} is not a setting here: {hint}"
+    choice = re.search(r'Parser key "([\w.\-]+)": Expected a (?:typing\.)?Literal\[(.*?)\]\. Got value: (\S+)', flat)
+    if choice:
+        accepted = ", ".join(v.strip(" '\"") for v in choice[2].split(","))
+        return f"{choice[1]}: {choice[3]!r} is not one of: {accepted}"
+    typed = re.search(r"Parser key \"([\w.\-]+)\": Expected a <class '(\w+)'>\. Got value: (\S+)", flat)
+    if typed:
+        return f"{typed[1]}: {typed[3]!r} is not {'an' if typed[2][0] in 'aeiou' else 'a'} {typed[2]}"
+    return flat
+
+
 class PackingCLI(LightningCLI):
-    """LightningCLI with the packing callbacks always on and run-time values linked from data to model."""
+    """LightningCLI with the packing callbacks always on and run-time values linked from data to model.
+
+    Before anything loads, `preflight` checks the settings against this machine and the checkpoint (an accelerator
+    it lacks, a missing `--ckpt_path`, a resumed fit with nothing left to train). `validate` and `test` print their
+    metrics and write no run folder unless `--trainer.logger` is given.
+    """
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        if subcommand is None:
+            return
+        settings = self.config[subcommand]
+        self.checkpoint = preflight(subcommand, settings.get("trainer", {}), settings.get("ckpt_path"))
+        given = sys.argv[1:] if args is None else [str(a) for a in args] if isinstance(args, (list, tuple)) else []
+        if subcommand in ("validate", "test") and not any(a.startswith("--trainer.logger") for a in given):
+            settings.trainer.logger = False  # the metrics are printed; a run folder is made only when asked
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(PackingMonitor, "packing_monitor")
@@ -169,6 +238,7 @@ def cli_main(args: ArgsType = None, run: bool = True) -> PackingCLI:
             PackedCausalLM,
             PackingDataModule,
             save_config_callback=LogConfigCallback,
+            parser_class=PackingArgumentParser,
             save_config_kwargs={"overwrite": True},
             trainer_defaults={
                 # Our samplers split the data across ranks themselves (and keep their state for resume).
@@ -181,5 +251,7 @@ def cli_main(args: ArgsType = None, run: bool = True) -> PackingCLI:
             run=run,
         )
     except LitPackingError as error:
-        print(f"error: {error}", file=sys.stderr)  # the message names the fix; a traceback would bury it
+        if isinstance(error, ConfigError):
+            error = error.under(LINKED)
+        print(f"error: {error}", flush=True)  # the message names the fix; a traceback would bury it
         raise SystemExit(2) from None

@@ -1,6 +1,6 @@
 """How the toolkit words its numbers in messages and logs, so that every line reads the same.
 
-    count(1, "bad row")   # '1 bad row'          count(2_080, "example")   # '2,080 examples'
+count(1, "bad row")   # '1 bad row'          count(2_080, "example")   # '2,080 examples'
 """
 
 from __future__ import annotations

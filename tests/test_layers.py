@@ -18,7 +18,7 @@ CORE = ("lit_packing.batch", "lit_packing.cost", "lit_packing.errors", "lit_pack
         "lit_packing.models.isolation")  # fmt: skip
 LIGHTNING = ("lit_packing.assets", "lit_packing._compat", "lit_packing.loggers", "lit_packing.contract",
              "lit_packing.data", "lit_packing.models", "lit_packing.callbacks", "lit_packing.configs")  # fmt: skip
-CLI = ("lit_packing.cli",)
+CLI = ("lit_packing.cli", "lit_packing.preflight")
 TOOLS = ("lit_packing.packing_report", "lit_packing.bench")
 COMMANDS = ("lit_packing.commands", "lit_packing.__main__")  # the `lit-packing` command: every tool by name
 LAYERS = (CORE, LIGHTNING, CLI, TOOLS, COMMANDS)

@@ -143,6 +143,12 @@ def test_links_resolve(page):
             assert fragment in ids, f"{page.name} links to {target}#{fragment}: no such heading"
 
 
+def output(capsys) -> str:
+    """The end of what a command printed (every toolkit line is on stdout; third-party warnings on stderr)."""
+    captured = capsys.readouterr()
+    return (captured.out + captured.err)[-2000:]
+
+
 def main_py_args(words: list[str]) -> tuple[list[str], bool]:
     """The `cli_main` arguments for a documented `python main.py ...` command, and whether it is parse-only."""
     args = words[2:]
@@ -173,7 +179,9 @@ def test_documented_command_runs(page, words, scratch, monkeypatch, capsys):
         if parse_only:
             with pytest.raises(SystemExit) as exit_info:
                 cli_main(args)
-            assert exit_info.value.code in (0, None), f"{command}: {capsys.readouterr().err[-2000:]}"
+            assert exit_info.value.code in (0, None), (
+                f"{command}: {output(capsys)}"
+            )
             return
         cli = cli_main(args)
         assert cli.trainer.state.finished, command
@@ -183,7 +191,7 @@ def test_documented_command_runs(page, words, scratch, monkeypatch, capsys):
         args = [*words[words.index("main.py") + 1 :], "--print_config"]
         with pytest.raises(SystemExit) as exit_info:
             cli_main(args)
-        assert exit_info.value.code in (0, None), f"{command}: {capsys.readouterr().err[-2000:]}"
+        assert exit_info.value.code in (0, None), f"{command}: {output(capsys)}"
     elif words[:3] == ["python", "-m", "lit_packing.packing_report"]:
         from lit_packing.packing_report import main
 

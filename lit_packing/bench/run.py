@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> Report:
     try:
         settings = parse(argv)
     except LitPackingError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {error}", flush=True)
         raise SystemExit(2) from None
     quiet_defaults()
     settings.out.mkdir(parents=True, exist_ok=True)

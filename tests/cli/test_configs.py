@@ -70,9 +70,10 @@ def error_line(args: list[str], capsys) -> str:
     with pytest.raises(SystemExit) as exit_info:
         cli_main(args)
     assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    return err
+    out = capsys.readouterr().out.strip().splitlines()  # every toolkit line on stdout, the error last, alone
+    errors = [line for line in out if line.startswith("error:")]
+    assert errors == [out[-1]], out[-5:]
+    return out[-1]
 
 
 def test_every_config_is_found():

@@ -70,7 +70,7 @@ def exits_with(capsys, pattern: str, *args: str) -> None:
     with pytest.raises(SystemExit) as exit_:
         fit(*args)
     assert exit_.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = capsys.readouterr().out.strip().splitlines()
     assert re.match(f"error: {pattern}", err[-1]) and "Traceback" not in "\n".join(err), err[-3:]
 
 

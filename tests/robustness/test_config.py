@@ -83,7 +83,7 @@ def test_cli_stops_before_tokenizing_and_exits_2(tmp_path, capsys):
             ["fit", "--data.sampler.init_args.max_tokens=0", f"--data.cache_dir={cache}", "--trainer.logger=false"]
         )
     assert exit_.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
         "error: data.sampler.init_args.max_tokens: must be >= 1, got 0"
     )
     assert not cache.exists()  # nothing was loaded or tokenized

@@ -55,7 +55,7 @@ def test_nonfinite_gradient_stops_naming_the_step_and_its_rows(tmp_path, capsys)
     with pytest.raises(SystemExit) as exit_:
         cli_main(fit_args(tmp_path, data, "--model.lr=1e30", f"--model.export_dir={export}"))
     assert exit_.value.code == 2
-    message = capsys.readouterr().err.strip().splitlines()[-1]
+    message = capsys.readouterr().out.strip().splitlines()[-1]
     # Step 1 moves every weight by ~1e30; the gradient of step 2 overflows.
     assert message.startswith("error: non-finite gradient at optimizer step 2 (epoch 0; examples of that step: line ")
     assert f"of {data}" in message and "model.nonfinite=skip" in message and "model.lr (now 1e+30)" in message
@@ -92,7 +92,7 @@ def test_everything_dropped_exits_2_before_training(tmp_path, capsys):
     assert exit_.value.code == 2
     assert (
         capsys.readouterr()
-        .err.strip()
+        .out.strip()
         .splitlines()[-1]
         .startswith("error: nothing to train on: no example of 5 is left (tokenized 5 examples -> kept 0")
     )
@@ -103,4 +103,4 @@ def test_a_fit_that_took_no_step_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli_main(fit_args(tmp_path, data, "--trainer.max_time=00:00:00:00"))  # stops before the first step
     assert exit_.value.code == 2
-    assert "error: fit took no optimizer step" in capsys.readouterr().err
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("error: fit took no optimizer step")

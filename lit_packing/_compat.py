@@ -1,0 +1,466 @@
+"""Every private attribute of another library that lit_packing relies on, one small function each.
+
+    trained = _compat.trained_batches(trainer)   # not trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+Lightning, torch, transformers, datasets and jsonargparse offer no public way to do these things. Keeping each
+access here, documented with the library, the private name and the versions it was checked on, means an upgrade
+that moves one breaks one function, and `tests/test_compat.py` (one test per function, on real objects) says
+which one: "lightning 2.7.0 moved trainer._logger_connector.should_update_logs: update lit_packing/_compat.py". A
+function whose attribute is gone raises `CompatError` with the same message instead of a bare `AttributeError`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+from lit_packing.errors import LitPackingError
+
+__all__ = [
+    "CompatError",
+    "attached_trainer",
+    "attn_implementation_of",
+    "batch_sampler_with_epoch",
+    "checkpoint_position",
+    "cli_setting",
+    "compiled_graphs",
+    "dataset_fingerprint",
+    "detach_wandb_run",
+    "dummy_experiment",
+    "factory_init_args",
+    "factory_target",
+    "foreach_norm",
+    "is_dummy_experiment",
+    "moved",
+    "ready_batches",
+    "should_update_logs",
+    "supports_sdpa",
+    "trained_batches",
+    "validate_after_batch",
+    "wandb_init_kwargs",
+    "wandb_run",
+]
+
+
+class CompatError(LitPackingError, RuntimeError):
+    """A library upgrade moved a private attribute that `lit_packing._compat` reads."""
+
+
+def moved(library: str, what: str) -> str:
+    """The message for a moved private attribute: the library, its installed version, the name, the fix.
+
+    Args:
+        library: the distribution name (`lightning`, `torch`, ...).
+        what: the private attribute, as the code spells it.
+
+    Returns:
+        e.g. "lightning 2.7.0 moved fit_loop.epoch_loop.batch_progress: update lit_packing/_compat.py".
+    """
+    try:
+        installed = version(library)
+    except PackageNotFoundError:
+        installed = "(not installed)"
+    return f"{library} {installed} moved {what}: update lit_packing/_compat.py"
+
+
+def _get(library: str, what: str, read: Callable[[], Any]) -> Any:
+    """`read()`, with an `AttributeError` (the attribute moved) turned into a `CompatError` naming it."""
+    try:
+        return read()
+    except AttributeError as error:
+        raise CompatError(moved(library, what)) from error
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Lightning
+
+
+def should_update_logs(trainer: Any) -> bool:
+    """Whether the training step under way sends its `on_step` metrics to the loggers.
+
+    Lightning's own test (`log_every_n_steps`, or the run stopping), so a callback that logs an expensive metric
+    (a collective over ranks) computes it only where it is logged.
+
+    Lightning: `trainer._logger_connector.should_update_logs`; checked on 2.5.0 and 2.6.6.
+
+    Args:
+        trainer: a `lightning.pytorch.Trainer` that is fitting.
+
+    Returns:
+        True when this step's metrics reach the loggers.
+    """
+    return bool(
+        _get(
+            "lightning", "trainer._logger_connector.should_update_logs", lambda: trainer._logger_connector
+        ).should_update_logs
+    )
+
+
+def trained_batches(trainer: Any) -> int:
+    """Training batches of the current epoch that were trained (processed by the model), not just fetched.
+
+    What a resumable sampler saves as its position: the DataLoader's workers prefetch ahead of it. Restored by
+    Lightning from a checkpoint, so it counts the batches before a mid-epoch resume too.
+
+    Lightning: `trainer.fit_loop.epoch_loop.batch_progress.current.processed`; checked on 2.5.0 and 2.6.6.
+
+    Args:
+        trainer: a `lightning.pytorch.Trainer`.
+
+    Returns:
+        The count; in `on_train_batch_end` of batch `i` of an epoch (and in a checkpoint saved there), `i + 1`.
+    """
+    progress = _get(
+        "lightning", "fit_loop.epoch_loop.batch_progress", lambda: trainer.fit_loop.epoch_loop.batch_progress
+    )
+    return int(
+        _get("lightning", "fit_loop.epoch_loop.batch_progress.current.processed", lambda: progress.current.processed)
+    )
+
+
+def ready_batches(trainer: Any) -> int:
+    """Training batches of the current epoch that the loop has fetched so far, batches before a resume included.
+
+    Lightning: `trainer.fit_loop.epoch_loop.batch_progress.current.ready`; checked on 2.5.0 and 2.6.6.
+
+    Args:
+        trainer: a `lightning.pytorch.Trainer`.
+
+    Returns:
+        The count; after a mid-epoch resume, at `on_train_start`, the batches trained before it.
+    """
+    progress = _get(
+        "lightning", "fit_loop.epoch_loop.batch_progress", lambda: trainer.fit_loop.epoch_loop.batch_progress
+    )
+    return int(_get("lightning", "fit_loop.epoch_loop.batch_progress.current.ready", lambda: progress.current.ready))
+
+
+def validate_after_batch(trainer: Any, validate: bool) -> None:
+    """From `on_train_batch_end`: whether Lightning validates after this training batch, in place of its cadence.
+
+    Lightning validates after batch `i` when `(i + 1) % trainer.val_check_batch == 0` (`i` counted in the epoch, or
+    over the fit when `check_val_every_n_epoch` is None), and reads `val_check_batch` after the `on_train_batch_end`
+    hooks: writing `i + 1` there validates after this batch, `i + 2` does not. Lightning offers no setter, and its
+    cadence is a period counted from the epoch's start, which cannot put validations at given steps of a launch that
+    resumed mid-epoch. A stop (`trainer.should_stop`, e.g. early stopping) still validates.
+
+    Lightning: writing `trainer.val_check_batch` against `fit_loop.epoch_loop.batch_idx` / `total_batch_idx`
+    (read in `_TrainingEpochLoop._should_check_val_fx`); checked on 2.6.6.
+
+    Args:
+        trainer: a `lightning.pytorch.Trainer`, from `on_train_batch_end`.
+        validate: validate after this batch.
+    """
+    loop = _get("lightning", "fit_loop.epoch_loop", lambda: trainer.fit_loop.epoch_loop)
+    if trainer.check_val_every_n_epoch is None:
+        index = _get("lightning", "fit_loop.epoch_loop.total_batch_idx", lambda: loop.total_batch_idx)
+    else:
+        index = _get("lightning", "fit_loop.epoch_loop.batch_idx", lambda: loop.batch_idx)
+    _get("lightning", "trainer.val_check_batch", lambda: trainer.val_check_batch)
+    trainer.val_check_batch = index + 1 if validate else index + 2
+
+
+def dummy_experiment() -> Any:
+    """Lightning's no-op stand-in for a logger's experiment: every method call, item and attribute does nothing.
+
+    Lightning: `lightning.fabric.loggers.logger._DummyExperiment`; checked on 2.5.0 and 2.6.6.
+
+    Returns:
+        A fresh stand-in (what a logger's `experiment` is on ranks other than 0).
+    """
+    try:
+        from lightning.fabric.loggers.logger import _DummyExperiment
+    except ImportError as error:
+        raise CompatError(moved("lightning", "lightning.fabric.loggers.logger._DummyExperiment")) from error
+    return _DummyExperiment()
+
+
+def is_dummy_experiment(experiment: Any) -> bool:
+    """Whether `experiment` is Lightning's no-op stand-in (`dummy_experiment`), not a real run.
+
+    Lightning: `lightning.fabric.loggers.logger._DummyExperiment`; checked on 2.5.0 and 2.6.6.
+
+    Args:
+        experiment: what a logger's `experiment` returned.
+
+    Returns:
+        True for the stand-in.
+    """
+    return type(experiment) is type(dummy_experiment())
+
+
+class _EpochForwardingBatchSampler(Sampler[list]):
+    """A batch sampler whose `.sampler` is the packing sampler it yields from (see `batch_sampler_with_epoch`)."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # type: ignore[arg-type]
+
+
+def batch_sampler_with_epoch(sampler: Sampler) -> Sampler:
+    """`sampler` (a batch sampler with `set_epoch`) wrapped so that Lightning calls its `set_epoch` every epoch.
+
+    Lightning calls `set_epoch(epoch)` at every epoch start on `dataloader.sampler` and on
+    `dataloader.batch_sampler.sampler`, never on the batch sampler itself; the wrapper yields `sampler`'s batches
+    and exposes it as `.sampler`, where Lightning looks. Use as `DataLoader(ds, batch_sampler=...)`.
+
+    Lightning: `lightning.fabric.utilities.data._set_sampler_epoch` (called by `_FitLoop.on_advance_start`);
+    checked on 2.5.0 and 2.6.6.
+
+    Args:
+        sampler: the batch sampler (it yields lists of indices) whose `set_epoch` must be called.
+
+    Returns:
+        A batch sampler with the same batches and length.
+    """
+    return _EpochForwardingBatchSampler(sampler)
+
+
+def attached_trainer(module: Any) -> Any:
+    """The `Trainer` a LightningModule is attached to, or None (where `module.trainer` raises).
+
+    Lightning: `LightningModule._trainer`; checked on 2.5.0 and 2.6.6.
+
+    Args:
+        module: a `lightning.pytorch.LightningModule`.
+
+    Returns:
+        The trainer, or None before `fit` / `validate` / `test` attaches one.
+    """
+    return _get("lightning", "LightningModule._trainer", lambda: module._trainer)
+
+
+def cli_setting(cli: Any, config: Any, key: str, default: Any = None) -> Any:
+    """A top-level setting of a `LightningCLI` config, found under the subcommand (`fit`, ...) when there is one.
+
+    Lightning: `LightningCLI._get(config, key, default)`; checked on 2.5.0 and 2.6.6.
+
+    Args:
+        cli: the `LightningCLI` (its `subcommand`).
+        config: `cli.config` or `cli.config_init`.
+        key: e.g. `"trainer"`.
+        default: returned when the key is absent.
+
+    Returns:
+        The value (a `Namespace` for a section).
+    """
+    return _get("lightning", "LightningCLI._get", lambda: cli._get)(config, key, default=default)
+
+
+def wandb_init_kwargs(logger: Any) -> dict[str, Any]:
+    """The keyword arguments a Lightning `WandbLogger` will pass to `wandb.init` (the live dict: edits apply).
+
+    Lightning: `WandbLogger._wandb_init`; checked on 2.5.0 and 2.6.6.
+
+    Args:
+        logger: a `lightning.pytorch.loggers.WandbLogger`.
+
+    Returns:
+        The dict (`project`, `dir`, `mode`, `id`, `resume`, ...).
+    """
+    return _get("lightning", "WandbLogger._wandb_init", lambda: logger._wandb_init)
+
+
+def wandb_run(logger: Any) -> Any:
+    """The W&B run a Lightning `WandbLogger` has created, or None before its `experiment` is first used.
+
+    Lightning: `WandbLogger._experiment`; checked on 2.5.0 and 2.6.6.
+
+    Args:
+        logger: a `lightning.pytorch.loggers.WandbLogger`.
+
+    Returns:
+        The `wandb` run, or None; never creates one (`logger.experiment` does).
+    """
+    return _get("lightning", "WandbLogger._experiment", lambda: logger._experiment)
+
+
+def detach_wandb_run(logger: Any) -> Any:
+    """Detach the logger's W&B run (for the caller to finish) and keep its id as the logger's `version`.
+
+    The next use of `logger.experiment` creates a new run; `logger.version` still names the detached one.
+
+    Lightning: `WandbLogger._experiment` and `WandbLogger._id`; checked on 2.5.0 and 2.6.6.
+
+    Args:
+        logger: a `lightning.pytorch.loggers.WandbLogger`.
+
+    Returns:
+        The run that was attached, or None when there was none (nothing changes then).
+    """
+    run = wandb_run(logger)
+    if run is not None:
+        _get("lightning", "WandbLogger._id", lambda: logger._id)
+        logger._id = run.id
+        logger._experiment = None
+    return run
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch
+
+
+def compiled_graphs() -> int:
+    """Graphs `torch.compile` has compiled in this process so far (every recompilation adds one).
+
+    torch: `torch._dynamo.utils.counters["stats"]["unique_graphs"]`; checked on 2.13.0.
+
+    Returns:
+        The count; 0 before anything was compiled.
+    """
+    import torch._dynamo.utils
+
+    counters = _get("torch", "torch._dynamo.utils.counters", lambda: torch._dynamo.utils.counters)
+    return int(counters["stats"]["unique_graphs"])
+
+
+def foreach_norm(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The 2-norm of each tensor, in one fused kernel per device and dtype (what gradient clipping uses).
+
+    torch: `torch._foreach_norm`; checked on 2.13.0.
+
+    Args:
+        tensors: tensors of any shapes, devices and floating dtypes.
+
+    Returns:
+        One 0-d tensor per input, in order, in its dtype.
+    """
+    return list(_get("torch", "torch._foreach_norm", lambda: torch._foreach_norm)(list(tensors)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# transformers
+
+
+def attn_implementation_of(model: Any) -> str | None:
+    """The attention implementation a transformers model runs now (`"sdpa"`, `"eager"`, `"flash_attention_2"`,
+    a registered kernel's name), as `model.set_attn_implementation` set it.
+
+    transformers: `PretrainedConfig._attn_implementation`; checked on 5.0.0 and 5.24.0.
+
+    Args:
+        model: a `transformers.PreTrainedModel`.
+
+    Returns:
+        The name, or None where the config has not resolved one.
+    """
+    return _get("transformers", "PretrainedConfig._attn_implementation", lambda: model.config._attn_implementation)
+
+
+def supports_sdpa(model: Any) -> bool:
+    """Whether a transformers model's architecture implements PyTorch SDPA attention.
+
+    transformers: the class attribute `PreTrainedModel._supports_sdpa`; checked on 5.0.0 and 5.24.0.
+
+    Args:
+        model: a `transformers.PreTrainedModel` (not a PEFT wrapper: pass `get_base_model()`).
+
+    Returns:
+        The architecture's flag.
+    """
+    return bool(_get("transformers", "PreTrainedModel._supports_sdpa", lambda: type(model)._supports_sdpa))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# datasets
+
+
+def dataset_fingerprint(dataset: Any) -> str:
+    """A `datasets.Dataset`'s fingerprint: the hash of its source and transforms, the key of its map caches.
+
+    The same data loaded again (from the same files) has the same fingerprint; `map(..., new_fingerprint=f)`
+    gives the result the fingerprint `f`.
+
+    datasets: `Dataset._fingerprint`; checked on 3.0.0 and 5.2.0.
+
+    Args:
+        dataset: a `datasets.Dataset`.
+
+    Returns:
+        The fingerprint.
+    """
+    return str(_get("datasets", "Dataset._fingerprint", lambda: dataset._fingerprint))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# jsonargparse
+
+
+def _partials(factory: Callable) -> Iterator[functools.partial]:
+    while isinstance(factory, functools.partial):
+        yield factory
+        factory = factory.func
+
+
+def factory_target(factory: Callable) -> Callable:
+    """What a factory builds: the class (or function) itself, also inside the partial jsonargparse makes of a
+    `Callable[..., X]`-typed setting given as `{class_path: ..., init_args: ...}`.
+
+    jsonargparse builds `functools.partial(instantiator, cls, **init_args)` (4.53:
+    `functools.partial(call_without_instantiate_context, instantiator, cls, **init_args)`): the class is the
+    first positional argument of the partial that is a class. Before 4.41 the factory was a closure, which
+    hides both the class and its arguments.
+
+    jsonargparse: the factory's structure (`_typehints.adapt_typehints`); checked on 4.41.0 to 4.53.0.
+
+    Args:
+        factory: a class, function, or (nested) `functools.partial` of one.
+
+    Returns:
+        The class or function that building with `factory` calls.
+    """
+    target = factory
+    for partial in _partials(factory):
+        classes = [arg for arg in partial.args if inspect.isclass(arg)]
+        if classes:
+            return classes[0]
+        target = partial.func
+    return target
+
+
+def factory_init_args(factory: Callable) -> dict[str, Any]:
+    """The keyword arguments a factory passes on: a config's `init_args` for a jsonargparse-built factory.
+
+    jsonargparse: the factory's structure (`_typehints.adapt_typehints`); checked on 4.41.0 to 4.53.0.
+
+    Args:
+        factory: a class, function, or (nested) `functools.partial` of one.
+
+    Returns:
+        The keywords, an outer partial's overriding an inner one's (as calling the factory applies them); {} for a
+        plain class or function.
+    """
+    found: dict[str, Any] = {}
+    for partial in _partials(factory):
+        found = {**partial.keywords, **found}
+    return found
+
+
+def checkpoint_position(path: str) -> tuple[int, int, int]:
+    """`(global_step, epoch, epochs completed)` of a Lightning checkpoint file, read without loading its tensors.
+
+    Lightning keeps no public reader of a checkpoint's loop state. The file is `torch.save`'s zip format, so
+    `torch.load(mmap=True)` maps the tensors instead of reading them: a 1.6 GB checkpoint opens in about a second.
+    Lightning: top-level `global_step` and `epoch`, and `loops.fit_loop.epoch_progress.current.completed`; checked
+    on 2.5.0 and 2.6.6.
+
+    Args:
+        path: the checkpoint file (`--ckpt_path`).
+    """
+    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    try:
+        completed = checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"]
+        return int(checkpoint["global_step"]), int(checkpoint["epoch"]), int(completed)
+    except (KeyError, TypeError) as error:
+        raise CompatError(moved("lightning", "checkpoint['loops']['fit_loop']['epoch_progress']")) from error

@@ -1,0 +1,111 @@
+"""What a command checks before anything loads (no model, no data, no trainer): that this machine has the
+accelerator and devices the trainer settings ask for, that `--ckpt_path` exists, and that a resumed fit has
+something left to train. Each failure is one `ConfigError` naming the setting and the value that works.
+
+    preflight("fit", trainer_settings, "runs/checkpoints/last.ckpt")   # PackingCLI runs it before building objects
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lit_packing._compat import checkpoint_position
+from lit_packing.assets import looks_like_path
+from lit_packing.errors import AssetError, ConfigError
+
+# `--ckpt_path` values Lightning resolves itself (not files).
+SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry")
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a checkpoint's run stands (read without loading its tensors).
+
+    Attributes:
+        path: the checkpoint file.
+        global_step: optimizer steps taken since the run started.
+        epoch: the epoch the checkpoint was taken in (0-based).
+        epochs_completed: whole epochs finished.
+    """
+
+    path: str
+    global_step: int
+    epoch: int
+    epochs_completed: int
+
+    def describe(self) -> str:
+        return f"{self.path} is at optimizer step {self.global_step:,} (epoch {self.epoch})"
+
+
+def preflight(subcommand: str, trainer: Mapping[str, Any], ckpt_path: str | None) -> Position | None:
+    """Run every check for `subcommand` (`fit`, `validate`, `test`, ...); the checkpoint's position, if any."""
+    check_devices(trainer.get("accelerator"), trainer.get("devices"))
+    position = read_position(ckpt_path) if ckpt_path and ckpt_path not in SPECIAL_CKPT_PATHS else None
+    if subcommand == "fit" and position is not None:
+        check_left_to_train(position, trainer.get("max_steps"), trainer.get("max_epochs"))
+    return position
+
+
+def check_devices(accelerator: Any, devices: Any) -> None:
+    """Refuse an accelerator this machine lacks, or more devices than it has, naming what it has."""
+    if not isinstance(accelerator, str):  # `auto`, None, or an Accelerator object: Lightning chooses
+        return
+    kind = accelerator.lower()
+    if kind in ("gpu", "cuda") and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ConfigError(
+            "trainer.accelerator",
+            f"{accelerator} asks for a CUDA GPU, and this machine has none (torch {torch.__version__}, {build})",
+            "set --trainer.accelerator=cpu (or auto); configs/gpu.yaml is for machines with a GPU",
+        )
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("trainer.accelerator", "mps asks for an Apple GPU, and this machine has none", "use cpu")
+    if kind in ("gpu", "cuda") and isinstance(devices, int) and devices > torch.cuda.device_count():
+        have = torch.cuda.device_count()
+        raise ConfigError(
+            "trainer.devices",
+            f"{devices} GPUs asked, and this machine has {have}",
+            f"set --trainer.devices={have} (or -1: all of them), or launch on more machines (trainer.num_nodes)",
+        )
+
+
+def read_position(ckpt_path: str) -> Position:
+    """The run's position in a checkpoint file, or an `AssetError` naming `--ckpt_path` when there is none."""
+    path = Path(ckpt_path).expanduser()
+    if not path.is_file():
+        where = "a folder, not a checkpoint file" if path.is_dir() else "no such file"
+        hint = f" (looked in {Path.cwd()})" if not path.is_absolute() and looks_like_path(ckpt_path) else ""
+        raise AssetError(
+            "--ckpt_path", f"{ckpt_path!r}: {where}{hint}", "give a checkpoint, e.g. runs/checkpoints/last.ckpt"
+        )
+    step, epoch, completed = checkpoint_position(str(path))
+    return Position(str(ckpt_path), step, epoch, completed)
+
+
+def check_left_to_train(position: Position, max_steps: int | None, max_epochs: int | None) -> None:
+    """Refuse a resumed fit that would train nothing: `max_steps` and `max_epochs` count from the start of the run,
+    not from the checkpoint. The message gives the value that trains as much again."""
+    step, done = position.global_step, position.epochs_completed
+    if max_steps is not None and max_steps >= 0 and step >= max_steps:
+        more = max(max_steps, 1)
+        raise ConfigError(
+            "trainer.max_steps",
+            f"{max_steps:,} counts optimizer steps from the start of the run, and {position.describe()}: nothing is "
+            "left to train",
+            f"--trainer.max_steps={step + more} trains {more:,} more (--trainer.max_steps=-1 "
+            f"--trainer.max_epochs={done + 1}: to the end of the epoch it is in)",
+        )
+    if max_epochs is None:  # Lightning's default: 1,000 epochs unless max_steps is set
+        max_epochs = 1000 if max_steps is None or max_steps < 0 else -1
+    if max_epochs >= 0 and done >= max_epochs:
+        raise ConfigError(
+            "trainer.max_epochs",
+            f"{max_epochs:,} counts epochs from the start of the run, and {position.describe()}, with {done:,} "
+            f"{'epoch' if done == 1 else 'epochs'} completed: nothing is left to train",
+            f"--trainer.max_epochs={done + max(max_epochs, 1)} trains {max(max_epochs, 1):,} more",
+        )
