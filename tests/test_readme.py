@@ -161,7 +161,8 @@ def main_py_args(words: list[str]) -> tuple[list[str], bool]:
     if "--model.name_or_path=" in joined:  # a local folder a page's command wrote (an export): its own weights
         extra = []
     if "HFDataset" not in joined:  # the own-data example runs as written, on its 30 chats
-        extra += SHORT
+        resumes = "--ckpt_path" in joined and "--trainer.max_steps" in joined  # continues a run: its own limit
+        extra += [arg for arg in SHORT if not (resumes and arg.startswith("--trainer.max_steps"))]
     return [*args, *extra], False
 
 
