@@ -11,8 +11,6 @@ function whose attribute is gone raises `CompatError` with the same message inst
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable, Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -27,17 +25,17 @@ __all__ = [
     "attached_trainer",
     "attn_implementation_of",
     "batch_sampler_with_epoch",
+    "can_set_attn_implementation",
     "checkpoint_position",
     "cli_setting",
     "compiled_graphs",
     "dataset_fingerprint",
     "detach_wandb_run",
     "dummy_experiment",
-    "factory_init_args",
-    "factory_target",
     "foreach_norm",
     "is_dummy_experiment",
     "moved",
+    "parser_options",
     "ready_batches",
     "should_update_logs",
     "supports_sdpa",
@@ -372,6 +370,26 @@ def supports_sdpa(model: Any) -> bool:
     return bool(_get("transformers", "PreTrainedModel._supports_sdpa", lambda: type(model)._supports_sdpa))
 
 
+def can_set_attn_implementation(model: Any) -> bool:
+    """Whether a transformers model's attention goes through `AttentionInterface` (so a packing-aware attention
+    function can be set), as transformers judges it from the source of the model's module.
+
+    transformers: the classmethod `PreTrainedModel._can_set_attn_implementation`; checked on 5.0.0 and 5.24.0.
+
+    Args:
+        model: a `transformers.PreTrainedModel` (not a PEFT wrapper: pass `get_base_model()`).
+
+    Returns:
+        The architecture's answer (a module without an `*Attention*(nn.Module)` class counts as True).
+    """
+    check = _get(
+        "transformers",
+        "PreTrainedModel._can_set_attn_implementation",
+        lambda: type(model)._can_set_attn_implementation,
+    )
+    return bool(check())
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # datasets
 
@@ -393,74 +411,31 @@ def dataset_fingerprint(dataset: Any) -> str:
     return str(_get("datasets", "Dataset._fingerprint", lambda: dataset._fingerprint))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# jsonargparse
-
-
-def _partials(factory: Callable) -> Iterator[functools.partial]:
-    while isinstance(factory, functools.partial):
-        yield factory
-        factory = factory.func
-
-
-def factory_target(factory: Callable) -> Callable:
-    """What a factory builds: the class (or function) itself, also inside the partial jsonargparse makes of a
-    `Callable[..., X]`-typed setting given as `{class_path: ..., init_args: ...}`.
-
-    jsonargparse builds `functools.partial(instantiator, cls, **init_args)` (4.53:
-    `functools.partial(call_without_instantiate_context, instantiator, cls, **init_args)`): the class is the
-    first positional argument of the partial that is a class. Before 4.41 the factory was a closure, which
-    hides both the class and its arguments.
-
-    jsonargparse: the factory's structure (`_typehints.adapt_typehints`); checked on 4.41.0 to 4.53.0.
-
-    Args:
-        factory: a class, function, or (nested) `functools.partial` of one.
-
-    Returns:
-        The class or function that building with `factory` calls.
-    """
-    target = factory
-    for partial in _partials(factory):
-        classes = [arg for arg in partial.args if inspect.isclass(arg)]
-        if classes:
-            return classes[0]
-        target = partial.func
-    return target
-
-
-def factory_init_args(factory: Callable) -> dict[str, Any]:
-    """The keyword arguments a factory passes on: a config's `init_args` for a jsonargparse-built factory.
-
-    jsonargparse: the factory's structure (`_typehints.adapt_typehints`); checked on 4.41.0 to 4.53.0.
-
-    Args:
-        factory: a class, function, or (nested) `functools.partial` of one.
-
-    Returns:
-        The keywords, an outer partial's overriding an inner one's (as calling the factory applies them); {} for a
-        plain class or function.
-    """
-    found: dict[str, Any] = {}
-    for partial in _partials(factory):
-        found = {**partial.keywords, **found}
-    return found
-
-
 def checkpoint_position(path: str) -> tuple[int, int, int]:
     """`(global_step, epoch, epochs completed)` of a Lightning checkpoint file, read without loading its tensors.
 
     Lightning keeps no public reader of a checkpoint's loop state. The file is `torch.save`'s zip format, so
     `torch.load(mmap=True)` maps the tensors instead of reading them: a 1.6 GB checkpoint opens in about a second.
-    Lightning: top-level `global_step` and `epoch`, and `loops.fit_loop.epoch_progress.current.completed`; checked
-    on 2.5.0 and 2.6.6.
+    Lightning: top-level `global_step` and `epoch`, and `loops.fit_loop.epoch_progress.current.processed` (an
+    epoch's training done: already 1 in a checkpoint saved at the end of epoch 0, whose `completed` is still 0);
+    checked on 2.6.6.
 
     Args:
         path: the checkpoint file (`--ckpt_path`).
     """
     checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     try:
-        completed = checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"]
+        completed = checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"]
         return int(checkpoint["global_step"]), int(checkpoint["epoch"]), int(completed)
     except (KeyError, TypeError) as error:
         raise CompatError(moved("lightning", "checkpoint['loops']['fit_loop']['epoch_progress']")) from error
+
+
+def parser_options(parser: Any) -> set[str]:
+    """Every option string a parser accepts (`--data.max_length`, ...): what a mistyped key is matched against.
+
+    argparse (which jsonargparse extends) keeps them on `parser._actions`; checked on Python 3.11 and 3.12 with
+    jsonargparse 4.53.0.
+    """
+    actions = _get("jsonargparse", "ArgumentParser._actions", lambda: parser._actions)
+    return {option for action in actions for option in action.option_strings}

@@ -29,6 +29,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from lit_packing._compat import cli_setting, parser_options
 from lit_packing.callbacks import PackingMonitor, TokenThroughputMonitor
 from lit_packing.callbacks.checkpoint import LastCheckpoint
 from lit_packing.callbacks.progress import progress_callback
@@ -151,7 +152,7 @@ class PackingArgumentParser(LightningArgumentParser):
 
 def explain_parse_error(message: str, parser: ArgumentParser) -> str:
     """jsonargparse's message for a bad command line or config, as one line that names the fix."""
-    options = sorted({s for action in parser._actions for s in action.option_strings if s.startswith("--")})
+    options = sorted(o for o in parser_options(parser) if o.startswith("--"))
     flat = " ".join(message.split())
     unknown = re.search(r"unrecognized arguments: (--[\w.\-]+)", flat) or re.search(
         r"does not accept (?:nested )?(?:option|key) '([\w.\-]+)'", flat
@@ -212,7 +213,7 @@ class PackingCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs) -> Trainer:
         """Add the progress display and the checkpoint policy, unless the config turns them off or brings its own
         `ModelCheckpoint`."""
-        trainer_config = self._get(self.config_init, "trainer", default={})
+        trainer_config = cli_setting(self, self.config_init, "trainer", default={})
         configured = trainer_config.get("callbacks") or []
         callbacks = list(configured) if isinstance(configured, list) else [configured]
         if trainer_config.get("enable_progress_bar", True) is not False:

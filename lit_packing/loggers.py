@@ -9,9 +9,10 @@ from argparse import Namespace
 from collections.abc import Mapping
 from typing import Any
 
-from lightning.fabric.loggers.logger import _DummyExperiment
 from lightning.pytorch.loggers import WandbLogger as _LightningWandbLogger
 from lightning.pytorch.utilities import rank_zero_only
+
+from lit_packing._compat import detach_wandb_run, dummy_experiment, wandb_init_kwargs, wandb_run
 
 
 class LazyWandbLogger(_LightningWandbLogger):
@@ -29,15 +30,16 @@ class LazyWandbLogger(_LightningWandbLogger):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self._wandb_init.get("anonymous") is None:
-            self._wandb_init.pop("anonymous", None)
+        init_kwargs = wandb_init_kwargs(self)
+        if init_kwargs.get("anonymous") is None:
+            init_kwargs.pop("anonymous", None)
         self._pending_hparams: list[dict[str, Any] | Namespace] = []
         self._started = False
 
     @property
     def experiment(self) -> Any:
-        if self._experiment is None and not self._started:
-            return _DummyExperiment()
+        if wandb_run(self) is None and not self._started:
+            return dummy_experiment()
         return super().experiment
 
     @rank_zero_only
@@ -58,7 +60,7 @@ class LazyWandbLogger(_LightningWandbLogger):
     @rank_zero_only
     def finalize(self, status: str) -> None:
         super().finalize(status)
-        if self._experiment is not None and hasattr(self._experiment, "finish"):
-            self._id = self._experiment.id  # a later stage of the same trainer resumes this run
-            self._experiment.finish()
-            self._experiment = None
+        run = wandb_run(self)
+        if run is not None and hasattr(run, "finish"):
+            detach_wandb_run(self)  # its id stays the logger's version: a later stage of the trainer resumes it
+            run.finish()

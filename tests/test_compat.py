@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -140,8 +141,8 @@ class ValidationSteps(BoringModel):
 
 @pytest.mark.parametrize("every_epoch", [1, None], ids=["batches of the epoch", "batches of the fit"])
 def test_validate_after_batch(tmp_path, every_epoch):
-    """Written from `on_train_batch_end`, it decides each batch alone (Lightning's own cadence: once per epoch),
-    with the batches counted in the epoch or over the fit (`check_val_every_n_epoch=None`)."""
+    """Written from `on_train_batch_end`, it decides each batch alone (Lightning's own cadence here: every 4 batches,
+    the epoch's end), with the batches counted in the epoch or over the fit (`check_val_every_n_epoch=None`)."""
 
     def decide(hook, tr, module, *args):
         _compat.validate_after_batch(tr, tr.global_step in (3, 5, 6))
@@ -149,10 +150,10 @@ def test_validate_after_batch(tmp_path, every_epoch):
     model = ValidationSteps()
     fit = trainer(
         tmp_path, [Hook(decide, "on_train_batch_end")], max_steps=7, limit_train_batches=4, limit_val_batches=1,
-        val_check_interval=1.0, check_val_every_n_epoch=every_epoch,
+        val_check_interval=4, check_val_every_n_epoch=every_epoch,
     )  # fmt: skip
     fit.fit(model)
-    expect(model.validated_at == [3, 5, 6], "lightning", "trainer.val_check_batch")  # not 4, the epoch's end
+    expect(model.validated_at == [3, 5, 6], "lightning", "trainer.val_check_batch")  # not 4
 
 
 def test_validate_after_batch_refuses_a_missing_attribute():
@@ -333,6 +334,39 @@ def test_supports_sdpa(tiny_llama):
     expect(_compat.supports_sdpa(tiny_llama) is True, "transformers", what)
 
 
+NO_INTERFACE_MODEL = """
+from torch import nn
+from transformers import LlamaConfig, PreTrainedModel
+
+
+class OwnAttention(nn.Module):  # computes attention itself, never through ALL_ATTENTION_FUNCTIONS
+    pass
+
+
+class OwnModel(PreTrainedModel):
+    config_class = LlamaConfig
+"""
+
+
+def test_can_set_attn_implementation(tiny_llama, tmp_path, monkeypatch):
+    """True for Llama (its attention goes through AttentionInterface), False for a model module whose attention
+    class does not."""
+    import importlib
+
+    what = "PreTrainedModel._can_set_attn_implementation"
+    expect(_compat.can_set_attn_implementation(tiny_llama) is True, "transformers", what)
+    (tmp_path / "own_attention_model.py").write_text(NO_INTERFACE_MODEL)
+    monkeypatch.syspath_prepend(tmp_path)
+    module = importlib.import_module("own_attention_model")
+    try:
+        from transformers import LlamaConfig
+
+        own = module.OwnModel(LlamaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2))
+        expect(_compat.can_set_attn_implementation(own) is False, "transformers", what)
+    finally:
+        sys.modules.pop("own_attention_model", None)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # datasets
 
@@ -352,32 +386,42 @@ def test_dataset_fingerprint(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# jsonargparse
+# A Lightning checkpoint's loop state; jsonargparse's option list
 
 
-@pytest.fixture(scope="module")
-def config_factory():
-    """The factory jsonargparse builds for a `Callable[[Sampler], BatchSampler]` setting from a config."""
+def test_checkpoint_position(tmp_path):
+    """Real checkpoints (64 batches an epoch) mid-epoch and at an epoch's end: step, epoch, epochs trained."""
+    steps = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=33, save_top_k=-1)
+    ends = ModelCheckpoint(dirpath=tmp_path, filename="end-{step}", save_top_k=-1, save_on_train_epoch_end=True)
+    trainer(tmp_path, [steps, ends], max_steps=70, enable_checkpointing=True).fit(BoringModel())
+    what = "checkpoint['loops']['fit_loop']['epoch_progress']"
+    positions = {
+        name: _compat.checkpoint_position(str(tmp_path / f"{name}.ckpt"))
+        for name in ("step=33", "end-step=64", "step=66")
+    }
+    expect(positions == {"step=33": (33, 0, 0), "end-step=64": (64, 0, 1), "step=66": (66, 1, 1)}, "lightning", what)
+
+
+def test_parser_options():
+    """The option strings of a real jsonargparse parser, nested groups of a class included."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(ModelCheckpoint, "checkpoint")
+    options = _compat.parser_options(parser)
+    expect("--checkpoint.every_n_train_steps" in options, "jsonargparse", "ArgumentParser._actions")
+
+
+def test_a_config_built_factory_takes_keywords():
+    """What pyproject.toml's `jsonargparse>=4.41` stands for: a `Callable[[...], X]` setting given as class_path and
+    init_args becomes a factory that also takes keyword arguments (the data module builds the validation sampler
+    with `shuffle=False`); before 4.41 it took positional arguments only."""
     from jsonargparse import ArgumentParser
 
     parser = ArgumentParser()
     parser.add_argument("--factory", type=Callable[[Sampler], BatchSampler])
     spec = '{"class_path": "torch.utils.data.BatchSampler", "init_args": {"batch_size": 4, "drop_last": true}}'
     config = parser.parse_args([f"--factory={spec}"])
-    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
-    return instantiate(config).factory
-
-
-def test_factory_target(config_factory):
-    expect(_compat.factory_target(config_factory) is BatchSampler, "jsonargparse", "the factory's partial structure")
-    expect(_compat.factory_target(BatchSampler) is BatchSampler, "jsonargparse", "the factory's partial structure")
-    plain = functools.partial(functools.partial(len), 1)
-    expect(_compat.factory_target(plain) is len, "jsonargparse", "the factory's partial structure")
-
-
-def test_factory_init_args(config_factory):
-    what = "the factory's partial structure"
-    expect(_compat.factory_init_args(config_factory) == {"batch_size": 4, "drop_last": True}, "jsonargparse", what)
-    batches = list(config_factory(SequentialSampler(range(10))))  # the factory really builds with them
-    expect(batches == [[0, 1, 2, 3], [4, 5, 6, 7]], "jsonargparse", what)
-    expect(_compat.factory_init_args(BatchSampler) == {}, "jsonargparse", what)
+    factory = (getattr(parser, "instantiate", None) or parser.instantiate_classes)(config).factory
+    built = factory(SequentialSampler(range(10)), drop_last=False)  # a keyword overrides the config's value
+    assert list(built) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]], "jsonargparse factories must accept keywords"

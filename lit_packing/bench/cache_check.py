@@ -14,6 +14,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from lit_packing._compat import dataset_fingerprint
 from lit_packing.assets import resolve_pretrained
 from lit_packing.data import ChampChats
 from lit_packing.data.tokenize import cache_files, file_record, tokenization_fingerprint, tokenize_dataset
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"first call (tokenizes unless cached): {time.perf_counter() - start:.1f} s; {report}")
 
     fingerprint = tokenization_fingerprint(
-        raw._fingerprint, tokenizer, tokenizer.chat_template, args.max_length, "truncate", "completion"
+        dataset_fingerprint(raw), tokenizer, tokenizer.chat_template, args.max_length, "truncate", "completion"
     )
     files = cache_files(Path(tokenized.cache_files[0]["filename"]).parent, fingerprint)
     size = sum(path.stat().st_size for path in files)

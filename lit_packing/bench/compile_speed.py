@@ -29,8 +29,8 @@ SMOLLM2_WIDTH = {
 def child(args: argparse.Namespace, compile: bool) -> dict:
     import numpy as np
     import torch
-    from torch._dynamo.utils import counters
 
+    from lit_packing._compat import compiled_graphs
     from lit_packing.data.collate import PackedCollator
     from lit_packing.models import PackedCausalLM
     from lit_packing.models.loss import causal_lm_loss
@@ -59,7 +59,7 @@ def child(args: argparse.Namespace, compile: bool) -> dict:
         if args.device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        graphs = counters["stats"]["unique_graphs"]
+        graphs = compiled_graphs()
         graphs_after_first = graphs if graphs_after_first is None else graphs_after_first
     return {
         "first": times[0],

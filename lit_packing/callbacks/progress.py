@@ -3,7 +3,7 @@
     Trainer(callbacks=[progress_callback()])   # StepProgressBar in a terminal, ProgressLog when piped
 
 A piped run (`| tee run.log`, CI) gets one line per logging step instead of a carriage-return bar that prints
-nothing until the epoch ends: `step 3/10  train/loss 0.9120  tok/s 82.1  pad 0.000  elapsed 0:00:31  eta 0:01:12`.
+nothing until the epoch ends: `step 3/10  pad 0.0000  train/loss 0.9120  tok/s 82.1  elapsed 0:00:31  eta 0:01:12`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,18 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lit_packing._compat import ready_batches
+from lit_packing.text import count
 
 
 def planned_steps(trainer: pl.Trainer) -> int | None:
-    """Optimizer steps this fit will run: `max_steps`, or epochs x steps per epoch, whichever ends it first."""
+    """The global step this fit will end at: `max_steps`, or epochs x steps per epoch, whichever comes first.
+
+    Counted over the whole run: a fit resumed from a step-10 checkpoint with `max_steps=15` plans 15 (this launch
+    runs the 5 steps after `trainer.global_step`). None when nothing bounds the run.
+    """
     per_epoch = trainer.num_training_batches
     limits = []
     if trainer.max_steps is not None and trainer.max_steps >= 0:
@@ -42,7 +50,7 @@ class StepProgressBar(TQDMProgressBar):
         trainer = self.trainer
         if trainer.max_steps is None or trainer.max_steps < 0:
             return total
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # > 0 after a mid-epoch resume
+        done = ready_batches(trainer)  # > 0 after a mid-epoch resume
         left = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
         return min(total, done + left)
 
@@ -63,6 +71,7 @@ class ProgressLog(ProgressBar):
         self._first_step = 0
         self._printed_step = -1
         self._pending: tuple[str, str] | None = None  # a step's line, printed once its metrics are published
+        self._checkpoint_step: int | None = None  # the global step of the checkpoint this stage loaded
 
     def disable(self) -> None:
         self._enabled = False
@@ -73,11 +82,18 @@ class ProgressLog(ProgressBar):
     def print(self, *args: Any, **kwargs: Any) -> None:
         print(*args, **kwargs, flush=True)
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._checkpoint_step = None  # Lightning restores a checkpoint after `setup`: a new stage, a new checkpoint
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        # `fit` restores the checkpoint's step into `trainer.global_step`; `validate` and `test` do not.
+        self._checkpoint_step = checkpoint.get("global_step")
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._train_start, self._first_step = time.monotonic(), trainer.global_step
-        total = planned_steps(trainer)
         if self._enabled and trainer.is_global_zero:
-            self.print(f"training: {total if total is not None else 'unknown number of'} optimizer steps")
+            self.print(f"training: {launch_plan(trainer.global_step, planned_steps(trainer))}")
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -112,19 +128,31 @@ class ProgressLog(ProgressBar):
             return
         (step, times), self._pending = self._pending, None
         metrics = self.get_metrics(trainer, pl_module)
-        self.print("  ".join([step, *(f"{name} {_number(value)}" for name, value in metrics.items()), times]))
+        self.print("  ".join([step, *(f"{name} {_number(name, value)}" for name, value in metrics.items()), times]))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self._print_eval(trainer, "val/", f"validation at step {trainer.global_step}")
+            self._print_eval(trainer, "val/", "validation")
 
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._print_eval(trainer, "test/", "test")
 
+    def model_step(self, trainer: pl.Trainer) -> int | None:
+        """The optimizer steps the evaluated weights were trained for: the global step in `fit`, the checkpoint's
+        in `validate` / `test` with `ckpt_path`, else the steps of an earlier `fit` of this trainer; None when
+        unknown (e.g. weights loaded from `model.name_or_path`)."""
+        if trainer.state.fn == TrainerFn.FITTING:
+            return trainer.global_step
+        if self._checkpoint_step is not None:
+            return self._checkpoint_step
+        return trainer.global_step or None
+
     def _print_eval(self, trainer: pl.Trainer, prefix: str, title: str) -> None:
         if self._enabled and trainer.is_global_zero:
+            step = self.model_step(trainer)
             metrics = {k: v for k, v in trainer.callback_metrics.items() if k.startswith(prefix)}
-            self.print(f"{title}: " + "  ".join(f"{k} {_number(v)}" for k, v in metrics.items()))
+            where = f" at step {step:,}" if step is not None else ""
+            self.print(f"{title}{where}: " + "  ".join(f"{k} {_number(k, v)}" for k, v in metrics.items()))
 
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         metrics = super().get_metrics(trainer, pl_module)
@@ -132,9 +160,24 @@ class ProgressLog(ProgressBar):
         return {name: value for name, value in metrics.items() if not name.startswith("val/")}  # printed apart
 
 
-def _number(value: Any) -> str:
+def launch_plan(first: int, last: int | None) -> str:
+    """What a launch will train, in words.
+
+    >>> launch_plan(0, 10), launch_plan(0, 1), launch_plan(10, 15)
+    ('10 optimizer steps', '1 optimizer step', '5 optimizer steps, from step 10 to 15')
+    >>> launch_plan(0, None)
+    'unknown number of optimizer steps'
+    """
+    if last is None:
+        return "unknown number of optimizer steps" + (f", from step {first:,}" if first else "")
+    return count(last - first, "optimizer step") + (f", from step {first:,} to {last:,}" if first else "")
+
+
+def _number(name: str, value: Any) -> str:
+    """A metric as the log lines show it: a rate (`tok/s`, `..._per_sec`) with one decimal, anything else (losses,
+    ratios, perplexity, accuracy) with four."""
     value = float(value)
-    return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.4f}"
+    return f"{value:,.1f}" if name.endswith(("/s", "_per_sec")) else f"{value:,.4f}"
 
 
 def progress_callback(stream=None) -> ProgressBar:

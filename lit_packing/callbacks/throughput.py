@@ -40,8 +40,9 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def data_rows(data: DataContract | None, pl_module: pl.LightningModule) -> list[tuple[str, str]]:
-    """Summary rows for what the run skipped or changed: bad rows, drops, cuts, duplicates, non-finite steps."""
+def data_rows(data: DataContract | None, pl_module: pl.LightningModule, launch: str = "") -> list[tuple[str, str]]:
+    """Summary rows for what the run skipped or changed: bad rows, drops, cuts, duplicates, non-finite steps (the
+    model counts those in this process: labelled with `launch`, e.g. "this launch", when it resumed a run)."""
     report = data.report if data is not None else None
     rows = []
     if report is not None:
@@ -54,8 +55,14 @@ def data_rows(data: DataContract | None, pl_module: pl.LightningModule) -> list[
             ("val also in train", f"{data.overlap_examples:,}"),
         ]
     if hasattr(pl_module, "nonfinite_steps"):
-        rows.append(("non-finite steps skipped", f"{pl_module.nonfinite_steps:,}"))
+        rows.append((_label("non-finite steps skipped", launch), f"{pl_module.nonfinite_steps:,}"))
     return rows
+
+
+def _label(name: str, *qualifiers: str) -> str:
+    """`name (a, b)` with the qualifiers that apply (the empty ones left out), else `name`."""
+    given = [qualifier for qualifier in qualifiers if qualifier]
+    return f"{name} ({', '.join(given)})" if given else name
 
 
 class TokenThroughputMonitor(pl.Callback):
@@ -76,7 +83,9 @@ class TokenThroughputMonitor(pl.Callback):
     Rates are totals over all ranks; with several ranks `effective_tokens_per_sec_per_rank` is their mean per
     rank, and the counts are summed over ranks (one all-reduce) only at logging steps (`trainer.log_every_n_steps`)
     and at the end, so no step waits for a device sync. When training ends a summary table is printed, labelled
-    per rank / all ranks.
+    per rank / all ranks, and, for a fit resumed from a checkpoint, run / this launch: the optimizer steps of the
+    whole run (the global step) beside this launch's, and every count, time and rate measured in this process
+    (examples, tokens, padding, tokens/s, train time, peak memory, skipped steps) marked "this launch".
 
     Args:
         window: number of steps the rates are averaged over.
@@ -93,6 +102,7 @@ class TokenThroughputMonitor(pl.Callback):
         self._peak_flops: float | None = None
         self._batch_start: float | None = None  # None: the clock is paused until the next training batch starts
         self._data: DataContract | None = None  # what the data publishes (the summary's data rows)
+        self._first_step = 0  # the global step this launch started from (> 0: resumed from a checkpoint)
 
     def connect_data(self, data: DataContract) -> None:
         """The data's contract (`lit_packing.contract`): its tokenization report ends the fit summary."""
@@ -105,6 +115,9 @@ class TokenThroughputMonitor(pl.Callback):
         self._peak_flops = get_available_flops(pl_module.device, dtype)
         if self._peak_flops is not None:
             self._peak_flops *= trainer.world_size
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._first_step = trainer.global_step  # restored from the checkpoint by now
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._batch_start = None  # the dataloader restart is not training time
@@ -171,27 +184,11 @@ class TokenThroughputMonitor(pl.Callback):
         """Steps, examples, real tokens, padding, effective tokens/s, peak memory, final losses.
 
         Counts and tokens/s are summed over ranks (one all-reduce) and labelled "all ranks" when there are
-        several; time and memory are this rank's (rank 0, which prints).
+        several; time and memory are this rank's (rank 0, which prints). After a resume, the optimizer steps are
+        given for the run and for this launch, and what this process measured is labelled "this launch".
         """
-        names = ["examples", "real_tokens", "slot_tokens"]
-        totals = _sum_over_ranks(trainer, pl_module, self.totals, names)
-        seconds, ranks = max(self.train_seconds, 1e-9), trainer.world_size
-        label = f" ({ranks} ranks)" if ranks > 1 else ""
-        padding = (totals["slot_tokens"] - totals["real_tokens"]) / max(totals["slot_tokens"], 1)
-        rows = [
-            ("optimizer steps", f"{trainer.global_step:,}"),
-            (f"examples{label}", f"{totals['examples']:,.0f}"),
-            (f"real tokens{label}", f"{totals['real_tokens']:,.0f}"),
-            (f"slot tokens{label}", f"{totals['slot_tokens']:,.0f}"),
-            ("padding ratio", f"{padding:.3f}"),
-            (f"effective tokens/s{label}", f"{totals['real_tokens'] / seconds:,.1f}"),
-        ]
-        if ranks > 1:
-            rows.append(("effective tokens/s per rank", f"{totals['real_tokens'] / seconds / ranks:,.1f}"))
-        rows += [
-            ("train time" + (" (rank 0)" if ranks > 1 else ""), f"{seconds:,.1f} s"),
-            ("peak memory" + (" (rank 0)" if ranks > 1 else ""), f"{peak_memory_gb(pl_module.device):.2f} GiB"),
-        ]
+        launch = "this launch" if self._first_step else ""
+        rows = self._step_rows(trainer) + self._measured_rows(trainer, pl_module, launch)
         estimate = getattr(pl_module, "memory_estimate", None)  # PackedCausalLM's prediction, made before step 1
         if estimate is not None:
             rows.append(("predicted peak memory", f"{estimate.peak / 2**30:.2f} GiB"))
@@ -199,11 +196,43 @@ class TokenThroughputMonitor(pl.Callback):
         for key in ("train/loss", "val/loss", "val/perplexity"):
             if key in metrics:
                 rows.append((key, f"{float(metrics[key]):.4f}"))
-        rows += data_rows(self._data, pl_module)
-        table = Table(title="lit_packing fit summary", show_header=False)
+        rows += data_rows(self._data, pl_module, launch)
+        title = "lit_packing fit summary" + (f" (resumed at step {self._first_step:,})" if launch else "")
+        table = Table(title=title, show_header=False)
         for name, value in rows:
             table.add_row(name, value)
         return table
+
+    def _step_rows(self, trainer: pl.Trainer) -> list[tuple[str, str]]:
+        """The optimizer steps: one row for a fresh run, the run's (global step) and this launch's after a resume."""
+        if not self._first_step:
+            return [("optimizer steps", f"{trainer.global_step:,}")]
+        return [
+            ("optimizer steps (run)", f"{trainer.global_step:,}"),
+            ("optimizer steps (this launch)", f"{trainer.global_step - self._first_step:,}"),
+        ]
+
+    def _measured_rows(self, trainer: pl.Trainer, pl_module: pl.LightningModule, launch: str) -> list[tuple[str, str]]:
+        """What this process counted and timed: examples, tokens, padding, tokens/s, train time, peak memory."""
+        names = ["examples", "real_tokens", "slot_tokens"]
+        totals = _sum_over_ranks(trainer, pl_module, self.totals, names)
+        seconds, ranks = max(self.train_seconds, 1e-9), trainer.world_size
+        summed, rank0 = (f"{ranks} ranks", "rank 0") if ranks > 1 else ("", "")
+        padding = (totals["slot_tokens"] - totals["real_tokens"]) / max(totals["slot_tokens"], 1)
+        rows = [
+            (_label("examples", launch, summed), f"{totals['examples']:,.0f}"),
+            (_label("real tokens", launch, summed), f"{totals['real_tokens']:,.0f}"),
+            (_label("slot tokens", launch, summed), f"{totals['slot_tokens']:,.0f}"),
+            (_label("padding ratio", launch), f"{padding:.3f}"),
+            (_label("effective tokens/s", launch, summed), f"{totals['real_tokens'] / seconds:,.1f}"),
+        ]
+        if ranks > 1:
+            per_rank = totals["real_tokens"] / seconds / ranks
+            rows.append((_label("effective tokens/s per rank", launch), f"{per_rank:,.1f}"))
+        return rows + [
+            (_label("train time", launch, rank0), f"{seconds:,.1f} s"),
+            (_label("peak memory", launch, rank0), f"{peak_memory_gb(pl_module.device):.2f} GiB"),
+        ]
 
 
 def _sum_over_ranks(

@@ -31,6 +31,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Sampler
 
+from lit_packing._compat import trained_batches
 from lit_packing.assets import resolve_pretrained
 from lit_packing.batch import INPUT_IDS
 from lit_packing.contract import DataContract, ModelContract, setting_paths
@@ -230,7 +231,7 @@ class PackingDataModule(LightningDataModule):
         self.test_dataset: TokenizedDataset | None = None
         self.report: TokenizationReport | None = None
         self.train_sampler: Sampler | None = None
-        self._sampler_state: dict | None = None
+        self._position: dict | None = None  # `load_state_dict`'s, restored when `train_dataloader` builds the sampler
         self.contract: DataContract | None = None  # published by `setup`
         self._prepared = False  # `prepare_data` ran in this process (and announced the data)
         self.model_contract: ModelContract | None = None  # what the model publishes (`connect_model`)
@@ -368,17 +369,13 @@ class PackingDataModule(LightningDataModule):
         dataset = self._require(self.train_dataset)
         # Every pack carries its optimizer step's label totals (`label_counter`): the loss needs no communication.
         self.train_sampler = self._build_sampler("sampler", self.sampler, self.train_lengths, dataset.count_labels)
-        with self._named_settings("sampler", self.train_sampler):
-            if self._sampler_state is not None:
-                self.train_sampler.load_state_dict(self._sampler_state)
-                self._sampler_state = None
-                step = self.trainer.global_step if self.trainer is not None else 0
-                log.info("resumed at optimizer step %s: %s", f"{step:,}", self.train_sampler.restored)
+        if self._position is not None:
+            self._restore_position()
         with self._named_settings("collator"):
             self.largest_step()  # a padding rule that cannot hold the plan's largest pack fails here, not mid-epoch
         if self.trainer is not None:
             check_val_check_interval(self.trainer, len(self.train_sampler))
-        return self._loader(dataset, self.train_sampler, self.collator)
+        return self._loader(dataset, self.train_sampler, self.collator, resumable=self._has_position())
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
@@ -397,23 +394,47 @@ class PackingDataModule(LightningDataModule):
         return self._eval_loader(self.test_dataset)
 
     def state_dict(self) -> dict[str, Any]:
-        """The training sampler's position, saved in every checkpoint (Lightning calls this): the micro-batches of
-        the epoch that were TRAINED (Lightning's count, never what the DataLoader's workers prefetched), the
-        epoch, the seed, the layout (world size, accumulation) and the plan's identity."""
-        if self.train_sampler is None or not hasattr(self.train_sampler, "state_dict"):
+        """The training position, saved in every checkpoint (Lightning calls this); {} for a sampler without one.
+
+        The micro-batches of the epoch that were TRAINED (Lightning's count, never what the DataLoader's workers
+        prefetched; without a trainer, the batches handed out), the epoch, the seed, the layout (world size,
+        accumulation), the plan's identity, and the optimizer step it was saved at. This is the one copy of the
+        position: the training loader only tells Lightning that it resumes (`_ResumableLoader`), because Lightning
+        restores a data module before anything builds a loader, and a loader's own state too late to be used.
+        """
+        if not self._has_position():
             return {}
-        if isinstance(self.train_sampler, PlannedBatchSampler) and self.trainer is not None:
-            trained = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-            return {"train_sampler": self.train_sampler.state_dict(steps_done=trained)}
-        return {"train_sampler": self.train_sampler.state_dict()}
+        if self.trainer is None:
+            return {"train_sampler": self.train_sampler.state_dict()}
+        if isinstance(self.train_sampler, PlannedBatchSampler):
+            position = self.train_sampler.state_dict(steps_done=trained_batches(self.trainer))
+        else:
+            position = self.train_sampler.state_dict()
+        return {"train_sampler": position, "global_step": self.trainer.global_step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore `state_dict()`: applied to the training sampler now, or when `train_dataloader` builds it."""
-        sampler_state = state_dict.get("train_sampler")
-        if sampler_state is not None and self.train_sampler is not None:
-            self.train_sampler.load_state_dict(sampler_state)
-        else:
-            self._sampler_state = sampler_state
+        """Restore `state_dict()`: onto the training sampler now, or when `train_dataloader` builds it (on a resume,
+        Lightning calls this before it asks for any loader)."""
+        if state_dict.get("train_sampler") is None:
+            return
+        self._position = state_dict
+        if self.train_sampler is not None:
+            self._restore_position()
+
+    def _has_position(self) -> bool:
+        """Whether the training sampler saves and restores its position (every `PlannedBatchSampler` does)."""
+        return all(hasattr(self.train_sampler, name) for name in ("state_dict", "load_state_dict"))
+
+    def _restore_position(self) -> None:
+        """Apply `load_state_dict`'s position to the training sampler and say what was restored, at which step."""
+        position, self._position = self._position, None
+        with self._named_settings("sampler", self.train_sampler):
+            self.train_sampler.load_state_dict(position["train_sampler"])
+        # The step saved with the position: `configure_optimizers` may build the loader (reading
+        # `trainer.estimated_stepping_batches`) before Lightning restores `trainer.global_step`.
+        step = position.get("global_step", self.trainer.global_step if self.trainer is not None else 0)
+        restored = getattr(self.train_sampler, "restored", None) or "the saved position"
+        log.info("resumed at optimizer step %s: %s", f"{step:,}", restored)
 
     # ------------------------------------------------------------ steps
 
@@ -504,8 +525,12 @@ class PackingDataModule(LightningDataModule):
                 sampler.connect(context)
         return sampler
 
-    def _loader(self, dataset: TokenizedDataset, sampler: Sampler, collator: Callable) -> DataLoader:
-        return DataLoader(
+    def _loader(
+        self, dataset: TokenizedDataset, sampler: Sampler, collator: Callable, resumable: bool = False
+    ) -> DataLoader:
+        """A DataLoader of `sampler`'s batches; `resumable`: the training loader, whose position this data module
+        saves and restores (`_ResumableLoader`)."""
+        return (_ResumableLoader if resumable else DataLoader)(
             dataset,
             batch_sampler=_EpochForwardingBatchSampler(sampler),
             collate_fn=collator(self.pad_token_id),
@@ -519,3 +544,24 @@ class PackingDataModule(LightningDataModule):
         if dataset is None:
             raise RuntimeError("call setup() first (Lightning does it before building dataloaders)")
         return dataset
+
+
+class _ResumableLoader(DataLoader):
+    """The training DataLoader when the sampler has a position: it resumes mid-epoch, and says so to Lightning.
+
+    Lightning takes a loader with `state_dict` / `load_state_dict` (`lightning.fabric.utilities.types._Stateful`)
+    as resumable; with any other it warns, on a mid-epoch resume, that the results may be unreliable. Lightning
+    would also save this state with the fit loop and hand it back when the fit loop builds its loader, but that
+    comes too late: `configure_optimizers` reading `trainer.estimated_stepping_batches` builds and starts the
+    loader before the fit loop's state is restored, and Lightning then never hands the state back
+    (Lightning issue #20550). So the position is saved and restored once, with the data module
+    (`PackingDataModule.state_dict`), which Lightning restores before any loader is built; this loader's own state
+    is empty, and it starts where the data module put its sampler.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing of its own: the position is in the data module's state (one copy per checkpoint)."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore: the data module restored the sampler's position before this loader was built."""

@@ -39,6 +39,7 @@ import torch
 import xxhash
 from datasets import Features, List, Value
 
+from lit_packing._compat import dataset_fingerprint
 from lit_packing.batch import IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, TRUNCATED_TOKENS, Pack
 from lit_packing.data.sources import CHAT, LINE, PROBLEM, PROMPT_COMPLETION, example_problem, example_shape
 from lit_packing.errors import ConfigError, DataError
@@ -526,7 +527,9 @@ def tokenize_dataset(
             "(lit_packing.data.tokenize.DEFAULT_CHAT_TEMPLATE; its markers are plain text to this tokenizer)",
             tokenizer.name_or_path,
         )
-    fingerprint = tokenization_fingerprint(dataset._fingerprint, tokenizer, template, max_length, overlong, train_on)
+    fingerprint = tokenization_fingerprint(
+        dataset_fingerprint(dataset), tokenizer, template, max_length, overlong, train_on
+    )
     folder = Path(dataset.cache_files[0]["filename"]).parent if dataset.cache_files else None
     if folder is not None:
         _remove_stale_tmp(folder)

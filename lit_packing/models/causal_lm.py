@@ -32,6 +32,7 @@ import torchmetrics
 from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_packing._compat import attached_trainer, compiled_graphs, foreach_norm
 from lit_packing.batch import (
     ATTENTION_MASK,
     CU_SEQ_LENS_K,
@@ -224,7 +225,7 @@ class PackedCausalLM(LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.hparams.compile:  # graphs compiled after the first step: shape changes that cost a recompile
-            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            graphs = compiled_graphs()
             if self._graphs_after_first_step is None:
                 self._graphs_after_first_step = graphs
             self.log("train/recompiles", float(graphs - self._graphs_after_first_step), on_step=True, on_epoch=False)
@@ -245,7 +246,7 @@ class PackedCausalLM(LightningModule):
             self._isolation_pending = False
 
     def _forward_context(self):
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         return trainer.precision_plugin.forward_context() if trainer is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -319,7 +320,7 @@ class PackedCausalLM(LightningModule):
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         # Under fp16 the GradScaler itself skips steps with inf gradients (and lowers its scale): check the loss only.
         check_grads = grads and str(self.trainer.precision) != "16-mixed"
-        norms = torch._foreach_norm(grads) if check_grads else []
+        norms = foreach_norm(grads) if check_grads else []
         local = torch.stack([loss_sum.float(), *(n.float().to(loss_sum.device) for n in norms)]).sum()
         # One scalar all-reduce with several ranks, so that every rank takes the same decision (NaN + x = NaN).
         total = self.trainer.strategy.reduce(local, reduce_op="sum") if self.trainer.world_size > 1 else local

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from lit_packing._compat import attn_implementation_of, supports_sdpa
 from lit_packing.batch import (
     ATTENTION_MASK,
     CU_SEQ_LENS_K,
@@ -88,7 +89,7 @@ def check_packed_batch(batch: Mapping[str, Any]) -> None:
 @contextlib.contextmanager
 def attn_implementation_set(model: PreTrainedModel, name: str) -> Iterator[None]:
     """Temporarily switch a transformers model's attention implementation."""
-    previous = model.config._attn_implementation
+    previous = attn_implementation_of(model)
     model.set_attn_implementation(name)
     try:
         yield
@@ -169,7 +170,7 @@ def check_isolation(
     small = sample_packed(batch, vocab_size=base.config.get_text_config().vocab_size)
     cu = small[CU_SEQ_LENS_Q].cpu().tolist()
     if reference is None:
-        reference = "sdpa" if getattr(base, "_supports_sdpa", False) else "eager"
+        reference = "sdpa" if supports_sdpa(base) else "eager"
     was_training = model.training
     model.eval()
     try:

@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from lit_packing._compat import can_set_attn_implementation
 from lit_packing.assets import resolve_pretrained
 from lit_packing.errors import ConfigError
 
@@ -78,8 +79,7 @@ def load_causal_lm(
 def check_packing_support(lm: PreTrainedModel) -> None:
     """Raise unless the model's attention goes through transformers' AttentionInterface (the only place packed
     boundaries can be honoured)."""
-    can_set = getattr(type(lm), "_can_set_attn_implementation", None)  # transformers >= 4.56
-    if can_set is not None and not can_set():
+    if not can_set_attn_implementation(lm):
         raise ConfigError(
             "model.name_or_path",
             f"{type(lm).__name__} ({lm.config.model_type}) does not route attention through transformers' "

@@ -221,12 +221,6 @@ class PlannedBatchSampler(Sampler[list]):
             return self._world_size
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
-    @property
-    def sampler(self) -> PlannedBatchSampler:
-        """This sampler: Lightning calls ``set_epoch`` on ``dataloader.batch_sampler.sampler``, never on the batch
-        sampler itself (``lightning.fabric.utilities.data._set_sampler_epoch``); this way the call reaches us."""
-        return self
-
     def _build_plan(self, epoch: int, rng: np.random.Generator) -> PackPlan:
         raise NotImplementedError
 
