@@ -20,7 +20,9 @@ Worked example: 5 packs ``[P0, P1, P2, P3, P4]``, ``world_size=2`` -> rank 0 yie
 [[[0], [2], [4]], [[1], [3], []]]
 
 Usage: ``sampler = BestFitPackingSampler(lengths, max_tokens=4096); DataLoader(ds, batch_sampler=sampler)``
-(with Lightning, set ``Trainer(use_distributed_sampler=False)``: the samplers shard themselves).
+(with Lightning, set ``Trainer(use_distributed_sampler=False)``: the samplers shard themselves; and hand the loader
+``lit_packing._compat.batch_sampler_with_epoch(sampler)``, where Lightning's ``set_epoch`` reaches it, as
+``PackingDataModule`` does).
 """
 
 from __future__ import annotations

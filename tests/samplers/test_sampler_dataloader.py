@@ -6,6 +6,7 @@ import numpy as np
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from torch.utils.data import DataLoader
 
+from lit_packing._compat import batch_sampler_with_epoch
 from lit_packing.samplers import BestFitPackingSampler, FixedLengthPackingSampler
 
 
@@ -52,8 +53,10 @@ def test_dataloader_with_token_slices():
 
 
 def test_lightning_set_epoch_reaches_the_batch_sampler():
+    """Lightning sets the epoch on `loader.batch_sampler.sampler`: the wrapper the data module uses puts ours there."""
     sampler = BestFitPackingSampler(np.arange(1, 50), max_tokens=64)
-    loader = DataLoader(list(range(49)), batch_sampler=sampler, collate_fn=list)  # dataset[i] = i
+    batches = batch_sampler_with_epoch(sampler)
+    loader = DataLoader(list(range(49)), batch_sampler=batches, collate_fn=list)  # dataset[i] = i
     _set_sampler_epoch(loader, 4)
     assert sampler.epoch == 4
     assert list(loader) == sampler.plan(4).packs() != sampler.plan(0).packs()
