@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# One intra-op thread per test process (and the subprocesses it starts: CLI runs, DDP ranks), unless set: the models
+# here are tiny, and when the cores are busy (another test process, xdist's other worker) OpenMP's spinning
+# threads make a test 5-10x slower.
+ONE_THREAD = "OMP_NUM_THREADS" not in os.environ
+if ONE_THREAD:
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if ONE_THREAD:
+    torch.set_num_threads(1)  # in case torch was imported before this file
 
 # Tests never reach the network: the packaged assets are all they need.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -62,6 +72,12 @@ def gpt2_tokenizer():
 
 
 # Tiny random configs of real architectures: SmolLM2's family (Llama) and two others.
+# SmolLM2's architecture (Llama, its vocabulary and tokenizer) at a toy size: what CLI-level tests train, in seconds.
+TINY = {
+    "model_type": "llama", "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 8192, "tie_word_embeddings": True,
+}  # fmt: skip
 TINY_CONFIGS = {
     "llama": dict(
         model_type="llama",

@@ -21,15 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import TINY
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).parents[1]
 DEV_SITE = Path(sysconfig.get_paths()["purelib"])
-TINY = {
-    "model_type": "llama", "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 8192, "tie_word_embeddings": True,
-}  # fmt: skip
 SMALL_RUN = [f"--model.model_config={json.dumps(TINY)}", "--data.limit=64", "--data.val_split=8",
              "--data.max_length=256"]  # fmt: skip
 

@@ -34,13 +34,9 @@ from pathlib import Path
 import pytest
 
 from lit_packing.cli import cli_main
+from tests.conftest import TINY
 
 ROOT = Path(__file__).parents[1]
-TINY = {
-    "model_type": "llama", "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 8192, "tie_word_embeddings": True,
-}  # fmt: skip
 SHORT = ["--trainer.max_steps=2", "--data.limit=64"]
 LAUNCHERS = ("torchrun", "srun")  # multi-node launchers: need the GPUs and nodes they name
 NOT_RUN = {
@@ -180,9 +176,7 @@ def test_documented_command_runs(page, words, scratch, monkeypatch, capsys):
         if parse_only:
             with pytest.raises(SystemExit) as exit_info:
                 cli_main(args)
-            assert exit_info.value.code in (0, None), (
-                f"{command}: {output(capsys)}"
-            )
+            assert exit_info.value.code in (0, None), f"{command}: {output(capsys)}"
             return
         cli = cli_main(args)
         assert cli.trainer.state.finished, command

@@ -11,14 +11,10 @@ import yaml
 
 from lit_packing.cli import cli_main
 from lit_packing.configs import DELTAS, FOLDER, composition, config_args, config_path, names
+from tests.conftest import TINY
 
 ROOT = Path(__file__).parents[2]
 COMPOSITIONS = [composition(name) for name in names()]  # [quickstart.yaml], [paper.yaml, padding.yaml], ...
-TINY = {
-    "model_type": "llama", "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 8192, "tie_word_embeddings": True,
-}  # fmt: skip
 # What the paper's variants may differ in (the header of paper.yaml says so); everything else is paper.yaml's.
 VARIANT_KEYS = ("data.sampler", "data.collator", "data.val_sampler", "data.val_collator", "data.max_length")
 

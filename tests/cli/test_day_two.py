@@ -12,12 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import TINY
+
 ROOT = Path(__file__).parents[2]
-TINY = {
-    "model_type": "llama", "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 8192, "tie_word_embeddings": True,
-}  # fmt: skip
 
 
 def main_py(tmp_path: Path, *args: str, offline: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -12,13 +12,9 @@ from lightning.pytorch import Trainer
 
 from lit_packing.callbacks.progress import ProgressLog, StepProgressBar, progress_callback
 from lit_packing.cli import cli_main
+from tests.conftest import TINY
 
 QUICKSTART = str(Path(__file__).parents[2] / "configs" / "quickstart.yaml")
-TINY = {
-    "model_type": "llama", "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 8192, "tie_word_embeddings": True,
-}  # fmt: skip
 SMALL = [f"--model.model_config={json.dumps(TINY)}", "--data.limit=64", "--data.max_length=512"]
 
 
