@@ -31,7 +31,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Sampler
 
-from lit_packing._compat import trained_batches
+from lit_packing._compat import batch_sampler_with_epoch, trained_batches
 from lit_packing.assets import resolve_pretrained
 from lit_packing.batch import INPUT_IDS
 from lit_packing.contract import DataContract, ModelContract, setting_paths
@@ -125,24 +125,6 @@ def check_val_check_interval(trainer: Any, train_steps: int) -> None:
         f"give a fraction of the run instead (e.g. trainer.val_check_interval=0.5, or 1.0 for the end only), a count "
         f"up to {train_steps:,}, or more training examples (data.val_split, data.limit)",
     )
-
-
-class _EpochForwardingBatchSampler(Sampler[list]):
-    """Hands a packing sampler to the DataLoader as `batch_sampler` so that Lightning sets its epoch.
-
-    Lightning's `_set_sampler_epoch` (lightning/fabric/utilities/data.py, called by the fit loop at every epoch
-    start) calls `set_epoch` on `dataloader.sampler` and on `dataloader.batch_sampler.sampler`, never on the batch
-    sampler itself; exposing the packing sampler as `.sampler` puts it where Lightning looks.
-    """
-
-    def __init__(self, sampler: Sampler) -> None:
-        self.sampler = sampler
-
-    def __iter__(self):
-        return iter(self.sampler)
-
-    def __len__(self) -> int:
-        return len(self.sampler)
 
 
 class PackingDataModule(LightningDataModule):
@@ -532,7 +514,7 @@ class PackingDataModule(LightningDataModule):
         saves and restores (`_ResumableLoader`)."""
         return (_ResumableLoader if resumable else DataLoader)(
             dataset,
-            batch_sampler=_EpochForwardingBatchSampler(sampler),
+            batch_sampler=batch_sampler_with_epoch(sampler),  # where Lightning's `set_epoch` reaches the sampler
             collate_fn=collator(self.pad_token_id),
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),

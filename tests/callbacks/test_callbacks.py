@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lit_packing.callbacks import PackingMonitor, TokenThroughputMonitor
+from lit_packing.callbacks import PackingMonitor, ProgressLog, TokenThroughputMonitor
 from lit_packing.callbacks import throughput as throughput_module
 from lit_packing.contract import DataContract, DataModelConnection
 from lit_packing.cost import ModelShape, hardware_flops, model_flops, model_shape
@@ -219,6 +219,24 @@ def test_summary_tokens_per_sec_is_the_logged_rate_when_the_fit_fits_in_the_wind
     assert float(trainer.progress_bar_metrics["tok/s"]) == pytest.approx(summary, rel=1e-6)
     printed = next(line for line in capsys.readouterr().out.splitlines() if "effective tokens/s" in line)
     assert printed.split()[-2] == f"{summary:,.1f}" and "ranks" not in printed  # one rank: no rank label
+
+
+def test_progress_log_words_one_step_and_shows_any_rate_with_one_decimal(tmp_path, monkeypatch, capsys):
+    """`training: 1 optimizer step`, singular; 28 tokens in 0.5 s on the patched clock: `tok/s 56.0`, the rate with
+    one decimal however small (a loss or a ratio keeps four)."""
+    ticks = itertools.count()
+    monkeypatch.setattr(throughput_module.time, "perf_counter", lambda: next(ticks) * STEP_SECONDS)
+    callbacks = [TokenThroughputMonitor(summary=False), ProgressLog()]
+    trainer = pl.Trainer(
+        max_steps=1, logger=False, callbacks=callbacks, enable_checkpointing=False, enable_model_summary=False,
+        accelerator="cpu", default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(FixedBatches([PackedCollator()(examples(BATCH_LENGTHS[0]))]))
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith(("training:", "step "))] == [
+        "training: 1 optimizer step",
+        "step 1/1  tok/s 56.0  elapsed 0:00:00  eta 0:00:00",
+    ]
 
 
 DDP_SCRIPT = """
