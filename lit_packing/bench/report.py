@@ -174,6 +174,11 @@ class Report:
     def markdown(self) -> str:
         env, s = self.environment, self.settings
         lines = [
+            *(
+                ["**Smoke run**: the wiring with a tiny model and a few steps; its numbers measure nothing.", ""]
+                if s.get("smoke")
+                else []
+            ),
             f"Measured {env['date']} on {env['machine']}; "
             + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("date", "machine"))
             + ".",

@@ -92,6 +92,8 @@ class BenchSettings:
             self.rounds, self.warmup_steps, self.steps = 2, 1, 2
             self.examples, self.val_examples, self.max_length = 64, 8, 256
             self.batch_size, self.max_tokens, self.rows_per_step = 4, None, 4
+            if self.out == Path("runs/bench"):  # never over the full benchmark's results
+                self.out = Path("runs/bench_smoke")
         if self.max_tokens is None:
             self.max_tokens = self.batch_size * self.max_length
         unknown = sorted(set(self.variants + self.pretrained) - set(VARIANTS))

@@ -45,6 +45,9 @@ def test_every_row_and_output(bench):
     settings = BenchSettings(smoke=True)
     assert [row["row"] for row in payload["table"]] == settings.variants == list(VARIANTS)
     markdown = (out / "bench.md").read_text()
+    assert markdown.startswith(
+        "**Smoke run**: the wiring with a tiny model and a few steps; its numbers measure nothing."
+    )
     for variant in VARIANTS.values():
         assert f"| {variant.label} |" in markdown
     assert (out / "bench.png").stat().st_size > 10_000

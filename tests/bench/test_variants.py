@@ -61,3 +61,13 @@ def test_benchmark_scripts_call_the_package(script):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.main is importlib.import_module(f"lit_packing.bench.{script.stem}").main
+
+
+def test_the_smoke_run_has_its_own_folder():
+    """`--smoke` never writes over the full benchmark's results (its table's label: tests/bench/test_bench.py)."""
+    from pathlib import Path
+
+    from lit_packing.bench.run import BenchSettings
+
+    assert BenchSettings(smoke=True).out == Path("runs/bench_smoke") and BenchSettings().out == Path("runs/bench")
+    assert BenchSettings(smoke=True, out=Path("elsewhere")).out == Path("elsewhere")  # a folder given is kept
