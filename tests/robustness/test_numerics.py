@@ -77,7 +77,7 @@ def test_nonfinite_steps_can_be_skipped_and_counted(tmp_path, capsys):
 def test_export_refuses_nonfinite_weights(tmp_path):
     lm = PackedCausalLM(model_config=TINY)
     with torch.no_grad():
-        lm.hf_model.name_or_path.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+        lm.hf_model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
     with pytest.raises(
         TrainingError, match=r"not exporting to .*: 1 weight tensors hold NaN or inf \(first: .*down_proj"
     ):
