@@ -174,8 +174,9 @@ def test_every_toolkit_line_is_on_stdout(tmp_path):
     """`python main.py fit ... | tee run.log` keeps the whole story: data, progress, validation, summary."""
     done = main_py(tmp_path, *QUICK[:-1], "--data.limit=64", "--trainer.max_steps=2")
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    for line in ("ChampChats() with smollm2: ", "attention backend: per_example", "isolation self-test passed", "step 2/2",
-                 "validation at step 2", "lit_packing fit summary"):  # fmt: skip
+    lines = ("ChampChats() with smollm2: ", "attention backend: per_example", "isolation self-test passed",
+             "step 2/2", "validation at step 2", "lit_packing fit summary")  # fmt: skip
+    for line in lines:
         assert line in done.stdout, (line, done.stdout[-3000:])
         assert line not in done.stderr
     assert "UserWarning" not in done.stderr  # the toolkit's own warnings are log lines, not Python warnings
