@@ -22,7 +22,7 @@ from typing import NoReturn
 
 import datasets
 import transformers
-from jsonargparse import ArgumentParser
+from jsonargparse import ArgumentParser, Namespace
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
@@ -182,7 +182,10 @@ class PackingCLI(LightningCLI):
     """
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
-        super().parse_arguments(parser, args)
+        # As Lightning's, without its warning when `sys.argv` holds arguments too: a caller that passes `args` (the
+        # packing report, the benchmark, tests) has parsed its own command line and built these from it.
+        is_object = isinstance(args, (dict, Namespace))
+        self.config = parser.parse_object(args) if is_object else parser.parse_args(args)
         subcommand = self.config.get("subcommand")
         if subcommand is None:
             return
