@@ -34,7 +34,7 @@ class DataContract:
 
     Attributes:
         tokenizer: the Hugging Face tokenizer the data was tokenized with (the model exports it beside its weights).
-        pad_token_id: the id padding positions carry (never trained, never attended).
+        pad_token_id: the id that padding positions hold (never trained, never attended).
         vocab_size: `len(tokenizer)`, the embedding rows the model needs.
         token_id_range: (lowest, highest) token id in the training and validation data.
         name_rows: training examples (their `index`, as `batch["rows"]` carries) named as the user counts them,
