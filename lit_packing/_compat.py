@@ -33,7 +33,6 @@ __all__ = [
     "detach_wandb_run",
     "dummy_experiment",
     "foreach_norm",
-    "is_dummy_experiment",
     "moved",
     "parser_options",
     "ready_batches",
@@ -177,20 +176,6 @@ def dummy_experiment() -> Any:
     except ImportError as error:
         raise CompatError(moved("lightning", "lightning.fabric.loggers.logger._DummyExperiment")) from error
     return _DummyExperiment()
-
-
-def is_dummy_experiment(experiment: Any) -> bool:
-    """Whether `experiment` is Lightning's no-op stand-in (`dummy_experiment`), not a real run.
-
-    Lightning: `lightning.fabric.loggers.logger._DummyExperiment`; checked on 2.5.0 and 2.6.6.
-
-    Args:
-        experiment: what a logger's `experiment` returned.
-
-    Returns:
-        True for the stand-in.
-    """
-    return type(experiment) is type(dummy_experiment())
 
 
 class _EpochForwardingBatchSampler(Sampler[list]):
