@@ -30,7 +30,6 @@ from typing import Any, Literal
 import torch
 import torchmetrics
 from lightning.pytorch import Callback, LightningModule
-from lightning.pytorch.utilities import rank_zero_info
 
 from lit_packing._compat import attached_trainer, compiled_graphs, foreach_norm
 from lit_packing.batch import (
@@ -200,7 +199,7 @@ class PackedCausalLM(LightningModule):
         self._check_token_ids()
         self.hf_model.set_attn_implementation(attn_implementation(self.attn_backend))
         how = " (auto)" if self.hparams.attn_backend == "auto" else ""
-        rank_zero_info(f"attention backend: {self.attn_backend}{how} on {device}")
+        log.info("attention backend: %s%s on %s", self.attn_backend, how, device)
         if self.hparams.loss_impl == "liger":
             check_liger(device, self.hf_model.get_output_embeddings())
         if self.hparams.compile and not getattr(self, "_compiled", False):
@@ -430,7 +429,7 @@ class PackedCausalLM(LightningModule):
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
         _apply_umask(path)
-        rank_zero_info(f"exported the model{' and tokenizer' if tokenizer is not None else ''} to {path}")
+        log.info("exported the model%s to %s", " and tokenizer" if tokenizer is not None else "", path)
 
 
 @torch.no_grad()

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 
 from lit_packing.batch import (
     ATTENTION_MASK,
@@ -227,7 +226,7 @@ def check_fit_memory(lm: Any, step: StepShape | None) -> MemoryEstimate | None:
         log.info("memory estimate skipped: the training data has no packing plan to read the largest step from")
         return None
     estimate = estimate_step_memory(lm, step, str(trainer.precision))
-    rank_zero_info(estimate.summary())
+    log.info(estimate.summary())
     if trainer.is_global_zero:
         for logger in trainer.loggers:
             logger.log_metrics({"train/predicted_peak_memory_gb": estimate.peak / GiB}, step=0)
