@@ -138,6 +138,39 @@ def ready_batches(trainer: Any) -> int:
     return int(_get("lightning", "fit_loop.epoch_loop.batch_progress.current.ready", lambda: progress.current.ready))
 
 
+def move_epoch_position(trainer: Any, batches: int) -> None:
+    """Make the fit loop count `batches` training batches of the current epoch as done, from `on_train_start`.
+
+    After a resume onto another layout (world size x accumulation) the sampler continues at the first optimizer
+    step not completed, counted in micro-batches of the new layout; Lightning restored its count in the old
+    layout. Every counter of the epoch's batch progress (and of the run's total) is shifted by the same amount, so
+    that the next batch gets index `batches`, gradient accumulation steps the optimizer after every
+    `accumulate_grad_batches` batches from there, and the epoch ends at the sampler's length.
+
+    Lightning: `trainer.fit_loop.epoch_loop.batch_progress.{current,total}.{ready,started,processed,completed}`,
+    read by `_accumulated_batches_reached`, `batch_idx` and the epoch's end; checked on 2.5.0 and 2.6.6.
+    """
+    progress = _get(
+        "lightning", "fit_loop.epoch_loop.batch_progress", lambda: trainer.fit_loop.epoch_loop.batch_progress
+    )
+    shift = int(batches) - ready_batches(trainer)
+    for tracker in (progress.current, progress.total):
+        for name in ("ready", "started", "processed", "completed"):
+            value = _get("lightning", f"batch_progress.{name}", lambda t=tracker, n=name: getattr(t, n))
+            setattr(tracker, name, value + shift)
+
+
+def set_accumulate_grad_batches(trainer: Any, accumulate: int) -> None:
+    """Set the trainer's gradient accumulation after it was built (from a `setup` hook, before
+    `configure_optimizers`): the data module derives it from the global batch and the world size it gets.
+
+    Lightning: the attribute `Trainer.accumulate_grad_batches`, read on every batch and by
+    `estimated_stepping_batches`; checked on 2.5.0 and 2.6.6.
+    """
+    _get("lightning", "Trainer.accumulate_grad_batches", lambda: trainer.accumulate_grad_batches)
+    trainer.accumulate_grad_batches = int(accumulate)
+
+
 def validate_after_batch(trainer: Any, validate: bool) -> None:
     """From `on_train_batch_end`: whether Lightning validates after this training batch, in place of its cadence.
 

@@ -190,7 +190,9 @@ class PackingCLI(LightningCLI):
         if subcommand is None:
             return
         settings = self.config[subcommand]
-        self.checkpoint = preflight(subcommand, settings.get("trainer", {}), settings.get("ckpt_path"))
+        self.checkpoint = preflight(
+            subcommand, settings.get("trainer", {}), settings.get("ckpt_path"), settings.get("data", {})
+        )
         given = sys.argv[1:] if args is None else [str(a) for a in args] if isinstance(args, (list, tuple)) else []
         if subcommand in ("validate", "test") and not any(a.startswith("--trainer.logger") for a in given):
             settings.trainer.logger = False  # the metrics are printed; a run folder is made only when asked
@@ -263,5 +265,6 @@ def cli_main(args: ArgsType = None, run: bool = True) -> PackingCLI:
     except LitPackingError as error:
         if isinstance(error, ConfigError):
             error = error.under(LINKED)
-        print(f"error: {error}", flush=True)  # the message names the fix; a traceback would bury it
+        if rank_zero_only.rank == 0:  # every rank stops with the same error; one copy of it
+            print(f"error: {error}", flush=True)  # the message names the fix; a traceback would bury it
         raise SystemExit(2) from None

@@ -17,6 +17,7 @@ import torch
 from lit_packing._compat import checkpoint_position
 from lit_packing.assets import looks_like_path
 from lit_packing.errors import AssetError, ConfigError
+from lit_packing.text import dividing_fix
 
 # `--ckpt_path` values Lightning resolves itself (not files).
 SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry")
@@ -42,9 +43,13 @@ class Position:
         return f"{self.path} is at optimizer step {self.global_step:,} (epoch {self.epoch})"
 
 
-def preflight(subcommand: str, trainer: Mapping[str, Any], ckpt_path: str | None) -> Position | None:
+def preflight(
+    subcommand: str, trainer: Mapping[str, Any], ckpt_path: str | None, data: Mapping[str, Any] | None = None
+) -> Position | None:
     """Run every check for `subcommand` (`fit`, `validate`, `test`, ...); the checkpoint's position, if any."""
     check_devices(trainer.get("accelerator"), trainer.get("devices"))
+    if subcommand == "fit" and data is not None:
+        check_global_batch(data.get("packs_per_step"), trainer.get("devices"), trainer.get("num_nodes"))
     position = read_position(ckpt_path) if ckpt_path and ckpt_path not in SPECIAL_CKPT_PATHS else None
     if subcommand == "fit" and position is not None:
         check_left_to_train(position, trainer.get("max_steps"), trainer.get("max_epochs"))
@@ -71,6 +76,23 @@ def check_devices(accelerator: Any, devices: Any) -> None:
             "trainer.devices",
             f"{devices} GPUs asked, and this machine has {have}",
             f"set --trainer.devices={have} (or -1: all of them), or launch on more machines (trainer.num_nodes)",
+        )
+
+
+def check_global_batch(packs_per_step: Any, devices: Any, num_nodes: Any) -> None:
+    """Refuse `data.packs_per_step` that the launch's ranks (`trainer.devices` x `trainer.num_nodes`, where both
+    are counts) cannot split evenly, before any process starts; the data module checks it again on the world size
+    it gets."""
+    devices = int(devices) if isinstance(devices, str) and devices.isdigit() else devices
+    if not isinstance(packs_per_step, int) or not isinstance(devices, int) or devices < 1:
+        return
+    world = devices * (num_nodes if isinstance(num_nodes, int) else 1)
+    if packs_per_step % world:
+        raise ConfigError(
+            "data.packs_per_step",
+            f"{packs_per_step} packs per optimizer step cannot be split evenly over {world} ranks "
+            f"(trainer.devices={devices} x trainer.num_nodes={num_nodes or 1})",
+            dividing_fix(packs_per_step, world, "data.packs_per_step"),
         )
 
 

@@ -24,3 +24,19 @@ def count(n: int, word: str) -> str:
     ('1 optimizer step', '12,345 examples')
     """
     return f"{n:,} {plural(n, word)}"
+
+
+def dividing_fix(packs: int, world: int, setting: str) -> str:
+    """How to fix a global batch of `packs` that `world` ranks cannot split: the world sizes that can, or a global
+    batch that can.
+
+    >>> dividing_fix(6, 4, "data.packs_per_step")
+    'run on a number of ranks that divides 6 (1, 2, 3, 6), or set data.packs_per_step to a multiple of 4 (e.g. 4 or 8)'
+    """
+    sizes = [d for d in range(1, packs + 1) if packs % d == 0]
+    shown = ", ".join(map(str, sizes[:8])) + (", ..." if len(sizes) > 8 else "")
+    low = world * max(packs // world, 1)
+    return (
+        f"run on a number of ranks that divides {packs} ({shown}), or set {setting} to a multiple of {world} "
+        f"(e.g. {low} or {low + world})"
+    )

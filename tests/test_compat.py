@@ -130,6 +130,43 @@ def test_ready_batches(resumed_fit):
     expect(resumed[0] == ("on_train_start", None, 3, 3), "lightning", what)
 
 
+def test_move_epoch_position(tmp_path_factory, resumed_fit):
+    """Moved at `on_train_start` of a resume from batch 3 to batch 2 (accumulating 2): the next batch is index 2,
+    the optimizer steps after batches 3 and 5, and the epoch ends at its own length."""
+    tmp = tmp_path_factory.getbasetemp() / "resume0"
+
+    def record(hook, tr, module, *args):
+        if hook == "on_train_start":
+            _compat.move_epoch_position(tr, 2)
+        return hook, (args[2] if hook == "on_train_batch_end" else None), tr.global_step
+
+    moved_to = Hook(record, "on_train_start", "on_train_batch_end")
+    fit = trainer(tmp_path_factory.mktemp("moved"), [moved_to], max_steps=5, accumulate_grad_batches=2)
+    fit.fit(BoringModel(), ckpt_path=tmp / "ckpt" / "step=3.ckpt")
+    ends = [(batch_idx, step) for hook, batch_idx, step in moved_to.seen if hook == "on_train_batch_end"]
+    what = "fit_loop.epoch_loop.batch_progress counters"
+    expect(ends == [(2, 3), (3, 4), (4, 4), (5, 5)], "lightning", what)
+
+
+def test_set_accumulate_grad_batches(tmp_path):
+    """Set from `setup`: the optimizer steps every 3 batches, and `estimated_stepping_batches` counts with it."""
+
+    seen = Hook(lambda hook, tr, module, *args: (hook, args[2], tr.global_step), "on_train_batch_end")
+
+    class Stepping(BoringModel):
+        def setup(self, stage):
+            _compat.set_accumulate_grad_batches(self.trainer, 3)
+
+        def configure_optimizers(self):
+            self.estimated = self.trainer.estimated_stepping_batches
+            return super().configure_optimizers()
+
+    model = Stepping()
+    trainer(tmp_path, [seen], max_epochs=1, limit_train_batches=7).fit(model)
+    steps = [step for _, _, step in seen.seen]
+    expect(steps == [0, 0, 1, 1, 1, 2, 3] and model.estimated == 3, "lightning", "Trainer.accumulate_grad_batches")
+
+
 class ValidationSteps(BoringModel):
     def __init__(self) -> None:
         super().__init__()

@@ -31,7 +31,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Sampler
 
-from lit_packing._compat import batch_sampler_with_epoch, trained_batches
+from lit_packing._compat import batch_sampler_with_epoch, set_accumulate_grad_batches, trained_batches
 from lit_packing.assets import resolve_pretrained
 from lit_packing.batch import INPUT_IDS
 from lit_packing.contract import DataContract, ModelContract, setting_paths
@@ -50,8 +50,8 @@ from lit_packing.data.tokenize import (
     tokenize_dataset,
 )
 from lit_packing.errors import ConfigError, DataError, check_range
-from lit_packing.samplers import BestFitPackingSampler, PlannedBatchSampler, RunContext
-from lit_packing.text import count
+from lit_packing.samplers import AUTO, BestFitPackingSampler, PlannedBatchSampler, RunContext
+from lit_packing.text import count, dividing_fix
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +159,13 @@ class PackingDataModule(LightningDataModule):
         on_bad_row: rows that cannot be trained (malformed lines, null or mistyped fields, unknown roles, no
             assistant turn, empty answers, control characters): `error` (default) stops before training naming the
             first rows; `skip` leaves them out and counts them (log, `data/bad_examples`, the fit summary).
+        packs_per_step: the global batch: packs (micro-batches of one rank) per optimizer step over all ranks.
+            `trainer.accumulate_grad_batches` follows from it for the world size the run gets (8 packs: 8 x 1 on 8
+            ranks, 2 x 4 on 2, 1 x 8 on one), and every world size that divides it trains the same optimizer steps
+            from the same packs in the same order. None: `world size x trainer.accumulate_grad_batches` at the first
+            launch, which a resume on another world size keeps (see `docs/resume_and_scale_out.md`).
+        tokens_per_step: the global batch in tokens, for samplers with a token budget: `tokens_per_step /
+            max_tokens` packs per optimizer step (a whole number). Set at most one of the two.
     """
 
     def __init__(
@@ -179,6 +186,8 @@ class PackingDataModule(LightningDataModule):
         cache_dir: str | None = None,
         num_proc: int | None = None,
         on_bad_row: OnBadRow = "error",
+        packs_per_step: int | None = None,
+        tokens_per_step: int | None = None,
     ) -> None:
         super().__init__()
         check_tokenize_settings(max_length, overlong, train_on, on_bad_row)
@@ -187,6 +196,14 @@ class PackingDataModule(LightningDataModule):
         check_range("data.num_workers", num_workers, 0)
         check_range("data.num_proc", num_proc, 1)
         check_val_split(val_split)
+        check_range("data.packs_per_step", packs_per_step, 1)
+        check_range("data.tokens_per_step", tokens_per_step, 1)
+        if packs_per_step is not None and tokens_per_step is not None:
+            raise ConfigError(
+                "data.tokens_per_step",
+                f"set together with data.packs_per_step={packs_per_step}: both give the global batch",
+                "set one of them",
+            )
         self.source = source if source is not None else ChampChats()
         self.tokenizer_name = tokenizer
         self.max_length = max_length
@@ -203,6 +220,8 @@ class PackingDataModule(LightningDataModule):
         self.cache_dir = cache_dir
         self.num_proc = num_proc
         self.on_bad_row = on_bad_row
+        self.packs_per_step = packs_per_step
+        self.tokens_per_step = tokens_per_step
         for component, factory in (("sampler", sampler), ("val_sampler", val_sampler)):
             if factory is not None:
                 self._probe(component, factory)
@@ -261,7 +280,10 @@ class PackingDataModule(LightningDataModule):
         self._prepared = True
 
     def setup(self, stage: str | None = None) -> None:
-        """Tokenize (from the cache), split, and build `train_dataset`, `val_dataset` and `report` once."""
+        """Tokenize (from the cache), split, and build `train_dataset`, `val_dataset` and `report` once; for a fit,
+        set the trainer's gradient accumulation from the global batch (`packs_per_step` / `tokens_per_step`)."""
+        if self.trainer is not None and stage in (None, "fit"):
+            self._apply_global_batch()
         if self.train_dataset is not None:
             return
         tokenized = self._tokenize(announce=not self._prepared)  # one line per run says where the data came from
@@ -298,6 +320,105 @@ class PackingDataModule(LightningDataModule):
             report=self.report,
             overlap_examples=self.overlap_examples,
         )
+
+    # ------------------------------------------------------------ the global batch
+
+    def global_batch(self) -> tuple[int, str] | None:
+        """`(packs per optimizer step, the setting that gave it)` from `packs_per_step` / `tokens_per_step`; None when
+        neither is set (the global batch is then the world size x `trainer.accumulate_grad_batches`)."""
+        if self.packs_per_step is not None:
+            return self.packs_per_step, "data.packs_per_step"
+        if self.tokens_per_step is None:
+            return None
+        with self._named_settings("sampler"):
+            budget = getattr(self.sampler(np.zeros(0, dtype=np.int64)), "max_tokens", None)
+        if budget == AUTO:
+            raise ConfigError(
+                "data.tokens_per_step",
+                "needs a fixed token budget, and data.sampler.init_args.max_tokens is auto (chosen at train start)",
+                "set data.packs_per_step instead, or give max_tokens a number",
+            )
+        if not isinstance(budget, int):
+            raise ConfigError(
+                "data.tokens_per_step",
+                "counts the tokens of packs filled up to a token budget, and this sampler has none",
+                "use data.packs_per_step (packs per optimizer step)",
+            )
+        if self.tokens_per_step % budget:
+            low = max(self.tokens_per_step // budget, 1) * budget
+            raise ConfigError(
+                "data.tokens_per_step",
+                f"{self.tokens_per_step:,} tokens is not a whole number of {budget:,}-token packs "
+                f"(data.sampler.init_args.max_tokens)",
+                f"use a multiple of {budget:,} (e.g. {low:,} or {low + budget:,}), or data.packs_per_step",
+            )
+        return self.tokens_per_step // budget, "data.tokens_per_step"
+
+    def _apply_global_batch(self) -> None:
+        """Set `trainer.accumulate_grad_batches` to the global batch over the world size; refuse what cannot
+        divide, or an accumulation set by hand that contradicts it."""
+        given = self.global_batch()
+        if given is None:
+            return
+        packs, setting = given
+        trainer = self.trainer
+        world = trainer.world_size
+        if packs % world:
+            raise ConfigError(
+                setting,
+                f"{count(packs, 'pack')} per optimizer step cannot be split evenly over {count(world, 'rank')}",
+                dividing_fix(packs, world, setting),
+            )
+        accumulate = packs // world
+        if trainer.accumulate_grad_batches not in (1, accumulate):
+            raise ConfigError(
+                "trainer.accumulate_grad_batches",
+                f"{trainer.accumulate_grad_batches} contradicts {setting}: {count(packs, 'pack')} per optimizer step "
+                f"on {count(world, 'rank')} is {accumulate} accumulated",
+                f"leave trainer.accumulate_grad_batches unset: it follows from {setting}",
+            )
+        set_accumulate_grad_batches(trainer, accumulate)
+        log.info(
+            "global batch: %s per optimizer step (%s) = %s x %d accumulated",
+            count(packs, "pack"), setting, count(world, "rank"), accumulate,
+        )  # fmt: skip
+
+    def _keep_global_batch(self, position: dict[str, Any]) -> None:
+        """On a resume: keep the checkpoint's global batch when only the world size changed (the run did not set one,
+        and `trainer.accumulate_grad_batches` is the one it was saved with); say when a set one changes it."""
+        trainer = self.trainer
+        saved_world, saved_accumulate = int(position["world_size"]), int(position["accumulate"])
+        saved = saved_world * saved_accumulate
+        world, accumulate = trainer.world_size, trainer.accumulate_grad_batches
+        given = self.global_batch()
+        if given is not None:
+            if given[0] != saved:
+                log.info(
+                    "global batch: %s per optimizer step (%s) instead of the checkpoint's %d: the packs not yet "
+                    "trained are formed into steps of the new size", count(given[0], "pack"), given[1], saved,
+                )  # fmt: skip
+            return
+        if world == saved_world or accumulate != saved_accumulate:
+            return  # the same layout, or a global batch the user changed (the sampler says so)
+        if saved % world:
+            raise ConfigError(
+                "trainer.devices",
+                f"the checkpoint's global batch of {count(saved, 'pack')} per optimizer step ({saved_world} x "
+                f"{saved_accumulate} accumulated) cannot be split evenly over {count(world, 'rank')}",
+                f"{dividing_fix(saved, world, 'data.packs_per_step')} to change the global batch",
+            )
+        set_accumulate_grad_batches(trainer, saved // world)
+        log.info(
+            "global batch: keeping the checkpoint's %s per optimizer step (%s x %d accumulated): %s x %d accumulated "
+            "now; set data.packs_per_step to change it",
+            count(saved, "pack"), count(saved_world, "rank"), saved_accumulate, count(world, "rank"), saved // world,
+        )  # fmt: skip
+
+    @property
+    def resumed_at(self) -> int | None:
+        """After a resume: the training micro-batches of the epoch that count as trained, in this run's layout (on
+        another layout, the start of the first optimizer step not completed); None otherwise."""
+        return getattr(self.train_sampler, "resumed_at", None)
 
     def connect_model(self, model: ModelContract) -> None:
         """What the model publishes (`lit_packing.contract.DataModelConnection` calls this before any loader):
@@ -399,6 +520,8 @@ class PackingDataModule(LightningDataModule):
         Lightning calls this before it asks for any loader)."""
         if state_dict.get("train_sampler") is None:
             return
+        if self.trainer is not None and "world_size" in state_dict["train_sampler"]:
+            self._keep_global_batch(state_dict["train_sampler"])
         self._position = state_dict
         if self.train_sampler is not None:
             self._restore_position()
@@ -483,8 +606,9 @@ class PackingDataModule(LightningDataModule):
         """Whole, isolated examples in a fixed order: `val_sampler` / `val_collator`, else the training ones."""
         if self.val_sampler is not None:
             sampler = self._build_sampler("val_sampler", self.val_sampler, dataset.lengths)
-        else:
-            sampler = self._build_sampler("sampler", self.sampler, dataset.lengths, shuffle=False)
+        else:  # the training sampler's settings, with the value its `auto` chose
+            chosen = getattr(self.train_sampler, "chosen", {})
+            sampler = self._build_sampler("sampler", self.sampler, dataset.lengths, shuffle=False, **chosen)
         return self._loader(dataset, sampler, self.val_collator or self.collator)
 
     def _build_sampler(
@@ -502,10 +626,26 @@ class PackingDataModule(LightningDataModule):
                 accumulate=trainer.accumulate_grad_batches if trainer is not None and label_counter else None,
                 cost_coefficients=self.model_contract.cost_coefficients if self.model_contract is not None else None,
                 label_counter=label_counter,
+                largest_fitting=self._largest_fitting,
             )
             with self._named_settings(component, sampler):
                 sampler.connect(context)
         return sampler
+
+    def _largest_fitting(self, setting: str, candidates: list[int], worst_pack: Callable) -> int | None:
+        """For a sampler setting given as `auto`: the largest candidate whose most memory-hungry pack, as the
+        collator builds it, the model's memory estimate predicts to fit the device (`RunContext.largest_fitting`)."""
+        if self.model_contract is None or self.model_contract.largest_fitting is None:
+            raise ConfigError(
+                f"data.sampler.init_args.{setting}",
+                "auto sizes each step with the model's memory estimate, and no model is connected to this data",
+                "give it a number, or fit with a PackedCausalLM",
+            )
+        collator = self.collator(self.pad_token_id)
+        value, _ = self.model_contract.largest_fitting(
+            lambda v: collator.plan_slots(worst_pack(v)).largest(), candidates, what=setting
+        )
+        return value
 
     def _loader(
         self, dataset: TokenizedDataset, sampler: Sampler, collator: Callable, resumable: bool = False

@@ -1,6 +1,14 @@
 """Batch samplers: lengths in, one list of dataset indices per micro-step on this rank out."""
 
-from lit_packing.samplers.base import PackPlan, PlannedBatchSampler, RunContext, TokenBudgetSampler, deal
+from lit_packing.samplers.base import (
+    AUTO,
+    PackPlan,
+    PlannedBatchSampler,
+    RunContext,
+    TokenBudgetSampler,
+    deal,
+    worst_pack,
+)
 from lit_packing.samplers.best_fit import BestFitPackingSampler, best_fit_packs
 from lit_packing.samplers.fixed_length import FixedLengthPackingSampler, fixed_length_rows
 from lit_packing.samplers.length_grouped import LengthGroupedSampler
@@ -9,6 +17,7 @@ from lit_packing.samplers.random_batch import RandomBatchSampler
 from lit_packing.samplers.sequential import SequentialPackingSampler
 
 __all__ = [
+    "AUTO",
     "BestFitPackingSampler",
     "FixedLengthPackingSampler",
     "LengthGroupedSampler",
@@ -24,4 +33,5 @@ __all__ = [
     "fixed_length_rows",
     "pack_costs",
     "straggler_factor",
+    "worst_pack",
 ]

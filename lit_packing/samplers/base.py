@@ -6,10 +6,14 @@ two stages, identical on every rank:
 
 1. ``plan(epoch)``: the strategy turns ``lengths`` into the epoch's global list of packs (a ``PackPlan``),
    deterministic per ``(seed, epoch)`` and cached, so ``__len__`` and ``__iter__`` plan once per epoch.
-2. Dealing: packs go to ranks round-robin (pack ``p`` to rank ``p % world_size`` at step ``p // world_size``).
-   When the number of packs is not a multiple of ``world_size`` the last step is completed with EMPTY packs
-   ``[]``, which the collator turns into a 1-token, all-masked batch that adds zero loss: every rank takes the same
-   number of steps (no hang) and no example is dropped. ``drop_last=True`` drops those last packs instead.
+2. Steps and dealing: ``_order_steps`` puts the packs in training order, where every run of ``world_size *
+   accumulate`` packs (the global batch) is one optimizer step; which packs form a step depends on the global
+   batch only, so 1 rank x 4 accumulated, 2 x 2 and 4 x 1 train the same steps. ``_place`` splits each step over
+   ranks and micro-batches: round-robin by default (pack ``p`` to rank ``p % world_size`` at micro-step ``p //
+   world_size``). When the number of packs is not a multiple of ``world_size`` the last micro-step is completed
+   with EMPTY packs ``[]``, which the collator turns into a 1-token, all-masked batch that adds zero loss: every
+   rank takes the same number of steps (no hang) and no example is dropped. ``drop_last=True`` drops those last
+   packs instead.
 
 Worked example: 5 packs ``[P0, P1, P2, P3, P4]``, ``world_size=2`` -> rank 0 yields ``P0, P2, P4``, rank 1 yields
 ``P1, P3, []``; with ``drop_last=True`` rank 0 yields ``P0, P2`` and rank 1 ``P1, P3``. With five examples of
@@ -31,7 +35,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch.distributed as dist
@@ -111,6 +115,9 @@ class RunContext:
         accumulate: micro-batches per optimizer step (gradient accumulation).
         cost_coefficients: the model's training FLOPs per token and per attended pair (``lit_packing.cost``).
         label_counter: the trained tokens of each item, so that every pack carries its optimizer step's totals.
+        largest_fitting: ``largest_fitting(setting, candidates, worst_pack)``: the largest of the increasing
+            ``candidates`` whose most memory-hungry pack (``worst_pack(value)``, a one-pack ``PackPlan``) the run's
+            memory estimate predicts to fit the device, None if none does; it sizes a setting given as ``auto``.
     """
 
     seed: int | None = None
@@ -119,6 +126,27 @@ class RunContext:
     accumulate: int | None = None
     cost_coefficients: tuple[float, float] | None = None
     label_counter: Callable[[list], list[int]] | None = None
+    largest_fitting: Callable[[str, list[int], Callable[[int], PackPlan]], int | None] | None = None
+
+
+AUTO = "auto"  # a step size (``max_tokens``, ``batch_size``) the run chooses for the device's memory
+
+
+def worst_pack(items: int, longest: int, budget: int | None = None) -> PackPlan:
+    """The pack that needs the most memory among packs of ``items`` examples of at most ``longest`` tokens (padded
+    batches), or, with ``budget``, among packs of at most ``budget`` tokens (the most attention: whole examples of
+    the longest length, then the rest). One pack, as a ``PackPlan`` that a collator's ``plan_slots`` reads.
+
+    >>> worst_pack(3, 100).tokens.tolist(), worst_pack(0, 100, budget=250).tokens.tolist()
+    ([100, 100, 100], [100, 100, 50])
+    """
+    if budget is not None:
+        whole, rest = divmod(budget, longest)
+        tokens = [longest] * whole + ([rest] if rest else [])
+    else:
+        tokens = [longest] * items
+    n = len(tokens)
+    return PackPlan(np.arange(n, dtype=np.int64), np.array([0, n], dtype=np.int64), np.asarray(tokens, np.int64))
 
 
 class PlannedBatchSampler(Sampler[list]):
@@ -183,10 +211,14 @@ class PlannedBatchSampler(Sampler[list]):
         # After load_state_dict: where passes over this epoch start, until one pass completes. Kept across several
         # iter() calls, because a DataLoader may start (and prefetch from) an iterator it then throws away.
         self._resume_at: int | None = None
-        # After a resume onto another world size / accumulation: (steps trained before, pack ids still to train).
-        self._elastic: tuple[int, np.ndarray] | None = None
+        # After a resume onto another layout (world size x accumulation): (optimizer steps of the epoch trained
+        # before, pack ids still to train, whether they are already in step order).
+        self._elastic: tuple[int, np.ndarray, bool] | None = None
+        self.resumed_at: int | None = None  # after load_state_dict: micro-batches of the epoch counted as trained
         self._plans: OrderedDict[tuple[int, int], PackPlan] = OrderedDict()
         self.restored: str | None = None  # after `load_state_dict`: what it restored, in words
+        self.auto: str | None = None  # the setting given as `auto` until `connect` chooses it (a subclass sets it)
+        self.chosen: dict[str, int] = {}  # what `connect` chose for it
         self._check_rank()
 
     def connect(self, context: RunContext) -> PlannedBatchSampler:
@@ -200,9 +232,44 @@ class PlannedBatchSampler(Sampler[list]):
         self._check_rank()
         if context.label_counter is not None:
             self.label_counter = context.label_counter
+        if self.auto is not None:
+            self._choose(context)
         self._connect(context)
         self._plans.clear()
         return self
+
+    def _choose(self, context: RunContext) -> None:
+        """Size the setting given as ``auto`` with the run's memory estimate (``RunContext.largest_fitting``)."""
+        name = self.auto
+        if context.largest_fitting is None:
+            raise ConfigError(
+                name,
+                "auto sizes each step to the device's memory, which only a run with a model can estimate",
+                f"give {{{name}}} a number",
+            )
+        candidates, pack_of = self._auto_candidates()
+        value = context.largest_fitting(name, candidates, pack_of)
+        if value is None:
+            raise ConfigError(
+                name,
+                f"auto: even the smallest step ({name}={candidates[0]:,}) is predicted not to fit the device's memory "
+                "(the estimate is logged above)",
+                "lower {max_length}, set model.gradient_checkpointing=true, or raise model.memory_limit_gb",
+            )
+        setattr(self, name, int(value))
+        self.auto, self.chosen = None, {name: int(value)}
+        self._check_chosen()
+
+    def _auto_candidates(self) -> tuple[list[int], Callable[[int], PackPlan]]:
+        """For the setting given as ``auto``: the values to try, increasing, and the most memory-hungry pack of
+        each (``worst_pack``)."""
+        raise NotImplementedError
+
+    def _check_chosen(self) -> None:
+        """Check the data against the value ``auto`` chose, as ``__init__`` checks a given one."""
+
+    def _longest(self) -> int:
+        return int(self.lengths.max()) if len(self.lengths) else 1
 
     def _connect(self, context: RunContext) -> None:
         """What a strategy takes from the run besides the shared settings (e.g. ``MultipackSampler``'s costs)."""
@@ -232,6 +299,12 @@ class PlannedBatchSampler(Sampler[list]):
         A packing report reads steps, real tokens, fill (``tokens_per_pack().sum() / (len(plan) * max_tokens)``),
         examples per pack and ``sq_tokens_per_pack()`` from it without iterating the sampler.
         """
+        if self.auto is not None:
+            raise ConfigError(
+                self.auto,
+                "auto is chosen when the sampler is connected to a run (`connect`), before its first plan",
+                f"connect it with a RunContext that has largest_fitting, or give {{{self.auto}}} a number",
+            )
         epoch = self.epoch if epoch is None else epoch
         key = (self.seed, epoch if self.shuffle else 0)
         if key not in self._plans:
@@ -246,37 +319,66 @@ class PlannedBatchSampler(Sampler[list]):
         n = len(self.lengths)
         return rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
 
-    def _deal(self, plan: PackPlan, pack_ids: np.ndarray, world_size: int) -> np.ndarray:
-        """Assign ``pack_ids`` (a subset of ``plan``'s packs, in plan order) to steps and ranks: (steps, world_size)
-        int64 pack ids, -1 for an empty pack. Default: round-robin (``deal``). A balancing sampler overrides this;
-        it may read ``self.accumulate`` (micro-batches per optimizer step) to balance whole optimizer steps."""
-        schedule = deal(len(pack_ids), world_size, self.drop_last)
-        return np.where(schedule >= 0, pack_ids[np.maximum(schedule, 0)], -1)
+    @property
+    def global_batch(self) -> int:
+        """Packs per optimizer step over all ranks: ``world_size * accumulate``."""
+        return self.world_size * self.accumulate
+
+    def _order_steps(self, plan: PackPlan, pack_ids: np.ndarray, world_size: int, accumulate: int) -> np.ndarray:
+        """``pack_ids`` in training order, where each run of ``world_size * accumulate`` consecutive packs (the
+        global batch) is one optimizer step, the last one possibly shorter.
+
+        Which packs form a step, and the order of the steps, must depend on the global batch only, never on how it
+        is split into ranks and micro-batches (``_place`` does that): the same global batch then trains the same
+        optimizer steps on any world size, and a resume onto another one continues with the steps not yet taken.
+        Default: plan order; ``drop_last`` leaves out the ``len(pack_ids) % world_size`` last packs.
+        """
+        if self.drop_last:
+            pack_ids = pack_ids[: len(pack_ids) - len(pack_ids) % world_size]
+        return pack_ids
+
+    def _place(self, plan: PackPlan, ordered: np.ndarray, world_size: int, accumulate: int) -> np.ndarray:
+        """Split each optimizer step of ``ordered`` (``_order_steps``' output) over ranks and micro-batches:
+        (micro_steps, world_size) int64 pack ids, -1 for an empty pack. Default: round-robin (``deal``), so step
+        ``g``'s micro-batch ``j`` holds packs ``g * G + j * world_size ...`` on ranks ``0 ...``. A balancing
+        sampler overrides this, within each step."""
+        schedule = deal(len(ordered), world_size)
+        return np.where(schedule >= 0, ordered[np.maximum(schedule, 0)], -1)
+
+    def _ordered(self, plan: PackPlan, world_size: int, accumulate: int) -> np.ndarray:
+        """The epoch's packs not trained before ``schedule()`` begins, in step order, for this layout."""
+        if self._elastic is None:
+            return self._order_steps(plan, np.arange(len(plan), dtype=np.int64), world_size, accumulate)
+        _, pack_ids, ordered = self._elastic
+        return pack_ids if ordered else self._order_steps(plan, pack_ids, world_size, accumulate)
 
     def schedule(self, epoch: int | None = None) -> np.ndarray:
-        """(steps, world_size) pack ids of ``epoch`` per step and rank, -1 for an empty pack (see ``_deal``).
+        """(steps, world_size) pack ids of ``epoch`` per step and rank, -1 for an empty pack (see ``_place``).
 
-        For the epoch being resumed onto another world size, the steps after the resume point only (see
+        For the epoch being resumed onto another layout, the steps after the resume point only (see
         ``load_state_dict``); ``__len__`` adds the steps trained before it.
         """
         epoch = self.epoch if epoch is None else epoch
         plan = self.plan(epoch)
-        resumed = self._elastic if self._elastic is not None and epoch == self.epoch else None
-        pack_ids = resumed[1] if resumed is not None else np.arange(len(plan), dtype=np.int64)
-        return self._deal(plan, pack_ids, self.world_size)
+        if self._elastic is not None and epoch == self.epoch:
+            ordered = self._ordered(plan, self.world_size, self.accumulate)
+        else:
+            ordered = self._order_steps(plan, np.arange(len(plan), dtype=np.int64), self.world_size, self.accumulate)
+        return self._place(plan, ordered, self.world_size, self.accumulate)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch to plan; a pending resume point survives only if it belongs to this epoch."""
         if epoch != self.epoch:
             self.epoch = epoch
             self._yielded = 0
-            self._resume_at = None
+            self._resume_at = self.resumed_at = None
             self._elastic = None
 
     @property
     def _offset(self) -> int:
-        """Steps of this epoch trained before ``schedule()`` begins (non-zero only after an elastic resume)."""
-        return self._elastic[0] if self._elastic is not None else 0
+        """Micro-batches of this epoch before ``schedule()`` begins, in this layout (non-zero only after an elastic
+        resume: the optimizer steps trained before it, times ``accumulate``)."""
+        return self._elastic[0] * self.accumulate if self._elastic is not None else 0
 
     def __len__(self) -> int:
         return self._offset + len(self.schedule())
@@ -341,14 +443,20 @@ class PlannedBatchSampler(Sampler[list]):
             "world_size": self.world_size,
             "accumulate": self.accumulate,
             "fingerprint": self.fingerprint(),
-            "elastic": None if self._elastic is None else (self._elastic[0], self._elastic[1].tolist()),
+            "elastic": None
+            if self._elastic is None
+            else [self._elastic[0], self._elastic[1].tolist(), self._elastic[2]],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``: the next ``__iter__`` yields exactly the batches not yet trained.
 
-        On another world size (or gradient accumulation) the packs not yet trained -- all of them, none twice --
-        are dealt again for the new layout and the epoch continues; the next epoch is planned as usual.
+        On the same layout (world size and accumulation) the epoch continues at the saved micro-batch. On another
+        layout it continues at the first optimizer step not completed (``resumed_at`` micro-batches of this layout
+        count as trained): with the same global batch (``world_size * accumulate``), the remaining steps are the
+        very steps the saved layout would have taken, in the same order, only split over other ranks and
+        micro-batches; with another global batch the packs not yet trained -- all of them, none twice -- are formed
+        into steps of the new size. The next epoch is planned as usual.
 
         Raises:
             ConfigError: the checkpoint was taken with another seed, dataset or sampler setting.
@@ -371,38 +479,48 @@ class PlannedBatchSampler(Sampler[list]):
                 "resume with the same data settings, or start a new run without {ckpt_path}",
             )
         steps = int(state["steps_done"])
+        saved = (int(state["world_size"]), int(state["accumulate"]))
         elastic = state.get("elastic")
         if elastic is not None:
-            self._elastic = (int(elastic[0]), np.asarray(elastic[1], dtype=np.int64))
-        saved = (int(state["world_size"]), int(state["accumulate"]))
+            if len(elastic) == 2:  # saved before steps were kept whole: (micro-batches before, unordered pack ids)
+                elastic = [int(elastic[0]) // saved[1], elastic[1], False]
+            self._elastic = (int(elastic[0]), np.asarray(elastic[1], dtype=np.int64), bool(elastic[2]))
         if saved != (self.world_size, self.accumulate):
-            self._elastic = self._remaining_after(steps, *saved)
-        self._yielded = self._resume_at = steps
+            self._elastic = self._untrained_after(steps, *saved)
+            steps = self._offset
+        self._yielded = self._resume_at = self.resumed_at = steps
         self.restored = self._describe_restore(steps, *saved)
+
+    def _untrained_after(self, steps: int, world_size: int, accumulate: int) -> tuple[int, np.ndarray, bool]:
+        """``(optimizer steps completed, pack ids not yet trained, in step order?)`` after ``steps`` micro-batches of
+        the saved layout. A step the saved layout had begun but not completed is not counted: its gradients were
+        never applied, so it is trained again, whole."""
+        plan = self.plan()
+        before = self._elastic[0] if self._elastic is not None else 0
+        ordered = self._ordered(plan, world_size, accumulate)
+        micro_steps = before * accumulate + len(self._place(plan, ordered, world_size, accumulate))
+        done = -(-micro_steps // accumulate) if steps >= micro_steps else steps // accumulate
+        rest = ordered[(done - before) * world_size * accumulate :]
+        return done, rest, world_size * accumulate == self.global_batch
 
     def _describe_restore(self, steps: int, world_size: int, accumulate: int) -> str:
         """What ``load_state_dict`` restored, in one phrase (the data module prints it)."""
         where = f"epoch {self.epoch}, micro-batch {steps:,} of {len(self):,}"
         if (world_size, accumulate) == (self.world_size, self.accumulate):
             return f"{where} of the same plan: exact"
+        layout = f"on {count(self.world_size, 'rank')} x {self.accumulate} accumulated instead of {world_size} x "
+        layout += str(accumulate)
+        if world_size * accumulate == self.global_batch:
+            return (
+                f"{where} of the same plan, {layout}: the same {count(self.global_batch, 'pack')} per optimizer step, "
+                f"the remaining steps as planned"
+            )
         rest = len(self._elastic[1]) if self._elastic is not None else 0
         return (
-            f"{where} of the same plan, on {count(self.world_size, 'rank')} x {self.accumulate} accumulated instead "
-            f"of {world_size} x {accumulate}: the {count(rest, 'untrained pack')} re-dealt, every example still once"
+            f"{where} of the same plan, {layout}: {count(self.global_batch, 'pack')} per optimizer step instead of "
+            f"{world_size * accumulate}, the {count(rest, 'untrained pack')} formed into new steps, every example "
+            f"still once"
         )
-
-    def _remaining_after(self, steps: int, world_size: int, accumulate: int) -> tuple[int, np.ndarray]:
-        """``(steps, pack ids not yet trained)`` after ``steps`` micro-batches of the saved layout, in its order."""
-        current = self.accumulate
-        self.accumulate = accumulate  # the saved layout's dealing
-        try:
-            plan = self.plan()
-            pack_ids = self._elastic[1] if self._elastic is not None else np.arange(len(plan), dtype=np.int64)
-            saved = self._deal(plan, pack_ids, world_size)
-        finally:
-            self.accumulate = current
-        rest = saved[steps - self._offset :].ravel()
-        return steps, rest[rest >= 0]
 
     def __repr__(self) -> str:
         return (
@@ -416,15 +534,48 @@ class TokenBudgetSampler(PlannedBatchSampler):
 
     Args:
         lengths: (n,) tokens per example, each <= ``max_tokens`` (else a ``ConfigError`` naming the example).
-        max_tokens: token budget of one pack (one micro-step on one rank).
+        max_tokens: token budget of one pack (one micro-step on one rank); ``auto``: the largest multiple of
+            ``max_tokens_granule`` up to ``max_tokens_cap`` whose fullest pack the run's memory estimate predicts to
+            fit the device (chosen by ``connect``; ``model.memory_limit_gb`` and ``model.memory_margin`` bound it).
+        max_tokens_granule: with ``auto``, the budget is a multiple of this.
+        max_tokens_cap: with ``auto``, the largest budget tried.
         **common: ``seed``, ``shuffle``, ``drop_last``, ``rank``, ``world_size``, ``accumulate``: see
             ``PlannedBatchSampler``.
     """
 
-    def __init__(self, lengths: np.ndarray, max_tokens: int = 4096, **common: Any) -> None:
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        max_tokens: int | Literal["auto"] = 4096,
+        max_tokens_granule: int = 1024,
+        max_tokens_cap: int = 65536,
+        **common: Any,
+    ) -> None:
         super().__init__(lengths, **common)
-        check_max_tokens(self.lengths, max_tokens)
+        check_range("max_tokens_granule", max_tokens_granule, 1)
+        check_range("max_tokens_cap", max_tokens_cap, 1)
+        if max_tokens == AUTO:
+            self.auto = "max_tokens"
+        else:
+            check_max_tokens(self.lengths, max_tokens)
         self.max_tokens = max_tokens
+        self.max_tokens_granule = max_tokens_granule
+        self.max_tokens_cap = max_tokens_cap
+
+    def _auto_candidates(self) -> tuple[list[int], Callable[[int], PackPlan]]:
+        longest, granule = self._longest(), self.max_tokens_granule
+        first = -(-longest // granule) * granule
+        if first > self.max_tokens_cap:
+            raise ConfigError(
+                "max_tokens_cap",
+                f"{self.max_tokens_cap:,} is below the longest example ({longest:,} tokens; {first:,} in multiples of "
+                f"max_tokens_granule={granule:,})",
+                "raise {max_tokens_cap}, or lower {max_length}",
+            )
+        return list(range(first, self.max_tokens_cap + 1, granule)), lambda budget: worst_pack(0, longest, budget)
+
+    def _check_chosen(self) -> None:
+        check_max_tokens(self.lengths, self.max_tokens)
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, max_tokens={self.max_tokens})"

@@ -50,7 +50,8 @@ class BestFitPackingSampler(TokenBudgetSampler):
 
     Args:
         lengths: (n,) tokens per example, each <= ``max_tokens``.
-        max_tokens: token budget of one pack (one micro-step on one rank).
+        max_tokens: token budget of one pack (one micro-step on one rank), or ``auto`` (with
+            ``max_tokens_granule``, ``max_tokens_cap``): see ``TokenBudgetSampler``.
         **common: ``seed``, ``shuffle``, ``drop_last``, ``rank``, ``world_size``, ``accumulate``: see
             ``PlannedBatchSampler``.
     """

@@ -5,7 +5,7 @@ Usage: ``LengthGroupedSampler(lengths, batch_size=8, mega_batch_mult=50)``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -30,13 +30,15 @@ class LengthGroupedSampler(RandomBatchSampler):
 
     Args:
         lengths: (n,) tokens per example.
-        batch_size: examples per step per rank.
+        batch_size: examples per step per rank, or ``auto`` (with ``batch_size_cap``): see ``RandomBatchSampler``.
         mega_batch_mult: mega-batch size in batches; larger groups lengths more tightly but less randomly.
         **common: ``seed``, ``shuffle``, ``drop_last``, ``rank``, ``world_size``, ``accumulate``: see
             ``PlannedBatchSampler``.
     """
 
-    def __init__(self, lengths: np.ndarray, batch_size: int = 8, mega_batch_mult: int = 50, **common: Any) -> None:
+    def __init__(
+        self, lengths: np.ndarray, batch_size: int | Literal["auto"] = 8, mega_batch_mult: int = 50, **common: Any
+    ) -> None:
         check_range("mega_batch_mult", mega_batch_mult, 1)
         self.mega_batch_mult = mega_batch_mult
         super().__init__(lengths, batch_size, **common)

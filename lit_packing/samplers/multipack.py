@@ -104,7 +104,8 @@ class MultipackSampler(TokenBudgetSampler):
 
     Args:
         lengths: (n,) tokens per example, each <= ``max_tokens``.
-        max_tokens: token budget of one pack (one micro-step on one rank).
+        max_tokens: token budget of one pack (one micro-step on one rank), or ``auto`` (with
+            ``max_tokens_granule``, ``max_tokens_cap``): see ``TokenBudgetSampler``.
         balance: ``compute``: even out ``a * L + b * L^2`` (matmuls + attention); ``tokens``: even out tokens only.
         cost_coefficients: ``(a, b)`` FLOPs per token and per attended (query, key) pair, as
             ``lit_packing.cost.flop_coefficients`` computes them. None: the run's model's (``RunContext``), else
@@ -116,7 +117,7 @@ class MultipackSampler(TokenBudgetSampler):
     def __init__(
         self,
         lengths: np.ndarray,
-        max_tokens: int = 4096,
+        max_tokens: int | Literal["auto"] = 4096,
         *,
         balance: Balance = "compute",
         cost_coefficients: tuple[float, float] | None = None,
@@ -155,23 +156,30 @@ class MultipackSampler(TokenBudgetSampler):
         items, offsets = best_fit_packs(self.lengths, self.max_tokens, rng if self.shuffle else None)
         return _SeededPlan(items, offsets, self.lengths[items], self.max_tokens, int(rng.integers(2**63)))
 
-    def _deal(self, plan: PackPlan, pack_ids: np.ndarray, world_size: int) -> np.ndarray:
-        """Packs sorted by cost, cut into optimizer steps, each balanced over the ranks (``kernels.balance_steps``),
-        then the whole steps shuffled; seeded by the plan, so every rank deals the same. See the class docstring."""
-        rng = np.random.default_rng([plan.deal_seed, len(pack_ids), world_size])
+    def _order_steps(self, plan: PackPlan, pack_ids: np.ndarray, world_size: int, accumulate: int) -> np.ndarray:
+        """Packs sorted by cost and cut into optimizer steps of ``world_size * accumulate``, the whole steps shuffled;
+        seeded by the plan and the global batch (never the world size alone), so every rank, and every layout of the
+        same global batch, forms the same steps. See the class docstring."""
+        group = world_size * accumulate
+        rng = np.random.default_rng([plan.deal_seed, len(pack_ids), group])
         costs = pack_costs(plan, self.cost_coefficients)[pack_ids]
         if self.drop_last and len(pack_ids) % world_size:
             keep = np.sort(rng.permutation(len(pack_ids))[: len(pack_ids) - len(pack_ids) % world_size])
             pack_ids, costs = pack_ids[keep], costs[keep]
         order = rng.permutation(len(pack_ids)) if self.shuffle else np.arange(len(pack_ids))  # ties: random
-        order = order[np.argsort(-costs[order], kind="stable")]
-        slots = kernels.balance_steps(costs[order], world_size, self.accumulate)  # (micro_steps, ranks) positions
-        schedule = np.where(slots >= 0, pack_ids[order[np.maximum(slots, 0)]], -1)
-        full = len(pack_ids) // (world_size * self.accumulate)
+        ordered = pack_ids[order[np.argsort(-costs[order], kind="stable")]]
+        full = len(ordered) // group
         if self.shuffle and full > 1:  # shuffle whole optimizer steps; a short last step stays last
-            steps = rng.permutation(full)[:, None] * self.accumulate + np.arange(self.accumulate)
-            schedule[: full * self.accumulate] = schedule[steps.ravel()]
-        return schedule
+            steps = rng.permutation(full)[:, None] * group + np.arange(group)
+            ordered[: full * group] = ordered[steps.ravel()]
+        return ordered
+
+    def _place(self, plan: PackPlan, ordered: np.ndarray, world_size: int, accumulate: int) -> np.ndarray:
+        """Within each optimizer step (its packs come most expensive first), each pack to the least loaded rank that
+        still has a free micro-step (``kernels.balance_steps``)."""
+        costs = pack_costs(plan, self.cost_coefficients)[ordered]
+        slots = kernels.balance_steps(costs, world_size, accumulate)  # (micro_steps, ranks) positions into ordered
+        return np.where(slots >= 0, ordered[np.maximum(slots, 0)], -1)
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, balance={self.balance}, cost_coefficients={self.cost_coefficients})"

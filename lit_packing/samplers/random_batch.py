@@ -6,12 +6,13 @@ Usage: ``RandomBatchSampler(lengths, batch_size=8)``; in YAML
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 import numpy as np
 
 from lit_packing.errors import check_range
-from lit_packing.samplers.base import PackPlan, PlannedBatchSampler
+from lit_packing.samplers.base import AUTO, PackPlan, PlannedBatchSampler, worst_pack
 
 
 def batch_offsets(n: int, batch_size: int, drop_last: bool) -> np.ndarray:
@@ -36,15 +37,28 @@ class RandomBatchSampler(PlannedBatchSampler):
 
     Args:
         lengths: (n,) tokens per example (only its size matters here).
-        batch_size: examples per step per rank.
+        batch_size: examples per step per rank; ``auto``: the largest up to ``batch_size_cap`` whose batch of the
+            longest examples the run's memory estimate predicts to fit the device (chosen by ``connect``).
+        batch_size_cap: with ``auto``, the largest batch size tried.
         **common: ``seed``, ``shuffle``, ``drop_last``, ``rank``, ``world_size``, ``accumulate``: see
             ``PlannedBatchSampler``.
     """
 
-    def __init__(self, lengths: np.ndarray, batch_size: int = 8, **common: Any) -> None:
-        check_range("batch_size", batch_size, 1)
+    def __init__(
+        self, lengths: np.ndarray, batch_size: int | Literal["auto"] = 8, batch_size_cap: int = 256, **common: Any
+    ) -> None:
+        if batch_size != AUTO:
+            check_range("batch_size", batch_size, 1)
+        check_range("batch_size_cap", batch_size_cap, 1)
         self.batch_size = batch_size
+        self.batch_size_cap = batch_size_cap
         super().__init__(lengths, **common)
+        if batch_size == AUTO:
+            self.auto = "batch_size"
+
+    def _auto_candidates(self) -> tuple[list[int], Callable[[int], PackPlan]]:
+        longest = self._longest()
+        return list(range(1, self.batch_size_cap + 1)), lambda size: worst_pack(size, longest)
 
     def _build_plan(self, epoch: int, rng: np.random.Generator) -> PackPlan:
         order = self._order(rng)

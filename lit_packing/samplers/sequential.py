@@ -5,7 +5,7 @@ Usage: ``SequentialPackingSampler(lengths, max_tokens=4096)``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -27,12 +27,14 @@ class SequentialPackingSampler(TokenBudgetSampler):
 
     Args:
         lengths: (n,) tokens per example, each <= ``max_tokens``.
-        max_tokens: token budget of one pack.
+        max_tokens: token budget of one pack, or ``auto``: see ``TokenBudgetSampler``.
         shuffle: next-fit a seeded permutation instead of data order (default False).
         **common: ``seed``, ``drop_last``, ``rank``, ``world_size``, ``accumulate``: see ``PlannedBatchSampler``.
     """
 
-    def __init__(self, lengths: np.ndarray, max_tokens: int = 4096, *, shuffle: bool = False, **common: Any) -> None:
+    def __init__(
+        self, lengths: np.ndarray, max_tokens: int | Literal["auto"] = 4096, *, shuffle: bool = False, **common: Any
+    ) -> None:
         super().__init__(lengths, max_tokens, shuffle=shuffle, **common)
 
     def _build_plan(self, epoch: int, rng: np.random.Generator) -> PackPlan:

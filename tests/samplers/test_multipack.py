@@ -111,17 +111,31 @@ def test_epochs_and_seeds_change_the_schedule_not_the_step_count():
 @pytest.mark.parametrize("accumulate", [1, 4])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 7])
 def test_deal_on_any_subset_of_packs(world_size, accumulate):
-    """What the base does after resuming onto another world size: deal only the packs not yet trained on."""
+    """What the base does after resuming onto another layout: order and place only the packs not yet trained on."""
     sampler = make(CASES["lognormal"], world_size=world_size, accumulate=accumulate)
     plan = sampler.plan()
     rng = np.random.default_rng(world_size)
     for size in (0, 1, world_size, len(plan) // 2, len(plan)):
         subset = np.sort(rng.choice(len(plan), size, replace=False))
-        schedule = sampler._deal(plan, subset, world_size)
+        ordered = sampler._order_steps(plan, subset, world_size, accumulate)
+        schedule = sampler._place(plan, ordered, world_size, accumulate)
         assert schedule.shape == (-(-size // world_size), world_size)
         assert sorted(schedule[schedule >= 0].tolist()) == subset.tolist()
         assert (schedule[:-1] >= 0).all()  # empty packs only in the last micro-step
-        assert np.array_equal(sampler._deal(plan, subset, world_size), schedule)  # deterministic
+        again = sampler._place(plan, sampler._order_steps(plan, subset, world_size, accumulate), world_size, accumulate)
+        assert np.array_equal(again, schedule)  # deterministic
+
+
+@pytest.mark.parametrize("layouts", [[(1, 4), (2, 2), (4, 1)], [(1, 6), (2, 3), (3, 2), (6, 1)]])
+def test_the_global_batch_alone_decides_the_steps(layouts):
+    """The same packs in every optimizer step, in the same step order, however the global batch is split."""
+    steps = []
+    for world_size, accumulate in layouts:
+        sampler = make(CASES["lognormal"], world_size=world_size, accumulate=accumulate)
+        schedule = sampler.schedule()
+        rows = [schedule[g : g + accumulate].ravel() for g in range(0, len(schedule), accumulate)]
+        steps.append([sorted(int(p) for p in row if p >= 0) for row in rows])
+    assert all(s == steps[0] for s in steps[1:])
 
 
 def lognormal_lengths(seed: int, n: int = 20_000) -> np.ndarray:

@@ -125,7 +125,7 @@ def test_elastic_resume_trains_every_example_exactly_once(name, old_world, new_w
     assert {len(r) for r in rest} == {lengths.pop() - k}  # Lightning counts the k trained steps as done
     assert trained + Counter(item for r in rest for pack in r for item in _items(pack)) == expected
     # A second resume within the same epoch, onto yet another world size, keeps exactly-once.
-    j = len(rest[0]) // 2
+    j = (len(rest[0]) // 2) // accumulate * accumulate
     second = resumed[0].state_dict(steps_done=k + j)
     trained += Counter(item for r in rest for pack in r[:j] for item in _items(pack))
     again = [make(r, 3, second) for r in range(3)]
@@ -134,6 +134,46 @@ def test_elastic_resume_trains_every_example_exactly_once(name, old_world, new_w
     for s in again:
         s.set_epoch(2)
     assert _epoch_items(lambda r, w: list(again[r]), 3) == _epoch_items(lambda r, w: make(r, 3).plan(2).packs(), 1)
+
+
+def _steps(samplers: list, accumulate: int) -> list[list]:
+    """The optimizer steps the ranks' samplers yield: each the sorted items of all its micro-batches on all ranks."""
+    per_rank = [list(s) for s in samplers]
+    micro = len(per_rank[0])
+    return [
+        sorted(_items_key(item) for rows in per_rank for pack in rows[g : g + accumulate] for item in _items(pack))
+        for g in range(0, micro, accumulate)
+    ]
+
+
+def _items_key(item) -> tuple:
+    return item if isinstance(item, tuple) else (item,)
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+@pytest.mark.parametrize("old, new", [((2, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 2), (4, 1)), ((1, 4), (2, 2))])
+def test_resume_onto_another_split_of_the_same_global_batch_keeps_the_steps(name, old, new):
+    """Killed after k optimizer steps on one layout, resumed on another with the same packs per optimizer step:
+    the remaining steps are the uninterrupted run's, pack for pack, in the same order."""
+
+    def make(rank, layout, state=None):
+        sampler = FACTORIES[name](LENGTHS, seed=7, rank=rank, world_size=layout[0], accumulate=layout[1])
+        sampler.set_epoch(1)
+        if state is not None:
+            sampler.load_state_dict(state)
+        return sampler
+
+    uninterrupted = _steps([make(r, old) for r in range(old[0])], old[1])
+    assert uninterrupted == _steps([make(r, new) for r in range(new[0])], new[1])  # a fresh start on either layout
+    k = len(uninterrupted) // 2
+    inside = [k * old[1] + 1] if old[1] > 1 else []
+    for steps_done in [k * old[1], *inside]:  # saved after step k, or inside step k + 1 (then trained again, whole)
+        state = make(0, old).state_dict(steps_done=steps_done)
+        resumed = [make(r, new, state) for r in range(new[0])]
+        assert {s.resumed_at for s in resumed} == {k * new[1]}
+        assert "the same" in resumed[0].restored and "remaining steps as planned" in resumed[0].restored
+        assert _steps(resumed, new[1]) == uninterrupted[k:]
+        assert -(-len(resumed[0]) // new[1]) == len(uninterrupted)  # Lightning's steps per epoch unchanged
 
 
 def _tokens(item) -> int:

@@ -1,0 +1,235 @@
+"""The same training on any number of ranks, through the real CLI (DDP over gloo on CPU, fp32, a tiny Llama):
+
+- one config with `data.packs_per_step=2` on 1 rank (2 accumulated) and on 2 ranks (1 each): the same packs in
+  every optimizer step, the same per-step losses, the same final weights (within summation order);
+- kill -9 on 2 ranks and `--ckpt_path` on 1 (and the reverse), with no global batch set: the resume keeps the
+  checkpoint's global batch and ends with the uninterrupted run's weights and losses;
+- a global batch the ranks cannot split is refused before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from lit_packing.data import PackingDataModule
+from lit_packing.errors import ConfigError
+from tests.conftest import TINY_CONFIGS
+
+ROOT = Path(__file__).parents[2]
+DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+MAX_STEPS = 8
+LLAMA = TINY_CONFIGS["llama"]
+
+# Loaded by the runs from tmp_path: every micro-batch's source rows, and the loss of every optimizer step.
+RECORDER = """
+import json, time
+from lightning.pytorch import Callback
+
+class Recorder(Callback):
+    def __init__(self, path: str, delay: float = 0.0):
+        self.path, self.delay = path, delay
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        with open(f"{self.path}.rank{trainer.global_rank}", "a") as f:
+            f.write(json.dumps({"step": trainer.global_step, "rows": batch["rows"]}) + "\\n")
+        time.sleep(self.delay)
+
+    def on_train_start(self, trainer, pl_module):
+        self.last = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step != self.last and trainer.global_rank == 0:  # an optimizer step just ran
+            self.last = trainer.global_step
+            with open(f"{self.path}.loss", "a") as f:
+                loss = float(trainer.callback_metrics["train/loss"])
+                f.write(json.dumps({"step": trainer.global_step - 1, "loss": loss}) + "\\n")
+"""
+
+
+def fit_args(
+    tmp_path: Path, model_config: dict, name: str, ranks: int, *extra: str, delay: float = 0.0, record: str = ""
+) -> list[str]:
+    """The run's arguments: checkpoints in `tmp_path/name`, records in `tmp_path/(record or name).*`."""
+    callbacks = [
+        {"class_path": "recorder.Recorder", "init_args": {"path": str(tmp_path / (record or name)), "delay": delay}},
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"dirpath": str(tmp_path / name), "filename": "{step}", "every_n_train_steps": 2,
+                          "save_top_k": -1},
+        },
+    ]  # fmt: skip
+    return [
+        sys.executable, str(ROOT / "main.py"), "fit", "--config", "quickstart",
+        f"--model.model_config={json.dumps(model_config)}",
+        "--model.lr=1e-3",
+        "--data.source=lit_packing.data.Chatterbot",
+        "--data.limit=120",
+        "--data.val_split=8",
+        "--data.max_length=256",
+        "--data.sampler.init_args.max_tokens=384",
+        f"--data.cache_dir={tmp_path / 'cache'}",
+        "--trainer.accelerator=cpu",
+        f"--trainer.devices={ranks}",
+        f"--trainer.strategy={'ddp' if ranks > 1 else 'auto'}",
+        "--trainer.precision=32-true",
+        f"--trainer.max_steps={MAX_STEPS}",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.limit_val_batches=0",
+        "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.callbacks={json.dumps(callbacks)}",
+        *extra,
+    ]  # fmt: skip
+
+
+def run_env(tmp_path: Path) -> dict[str, str]:
+    clean = {key: value for key, value in os.environ.items() if key not in DISTRIBUTED_ENV}
+    return {**clean, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "OMP_NUM_THREADS": "1"}
+
+
+def fit(tmp_path: Path, args: list[str]) -> str:
+    done = subprocess.run(args, cwd=tmp_path, env=run_env(tmp_path), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout
+
+
+def kill_after(tmp_path: Path, args: list[str], checkpoint: Path) -> None:
+    """Start the run, wait for `checkpoint`, let it train past it, then SIGKILL every process of the launch."""
+    victim = subprocess.Popen(
+        args, cwd=tmp_path, env=run_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 600
+    while not checkpoint.exists() and victim.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.5)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    assert checkpoint.exists(), "the run ended before its checkpoint"
+
+
+def losses(tmp_path: Path, *names: str) -> dict[int, float]:
+    """The loss of every optimizer step, from the records of one launch or of several in turn (a later launch's
+    record of a step wins: a resumed run redoes the steps lost after its checkpoint)."""
+    found = {}
+    for name in names:
+        path = tmp_path / f"{name}.loss"
+        found.update({r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())})
+    return found
+
+
+def steps(tmp_path: Path, *names: str) -> dict[int, list[int]]:
+    """The sorted source rows each optimizer step trained, over all ranks, from one launch or several in turn (a
+    later launch's micro-batches of a step replace an earlier one's)."""
+    found: dict[int, list[int]] = {}
+    for name in names:
+        launch: dict[int, list[int]] = {}
+        for path in sorted(tmp_path.glob(f"{name}.rank*")):
+            for record in map(json.loads, path.read_text().splitlines()):
+                launch.setdefault(record["step"], []).extend(record["rows"])
+        found.update(launch)
+    return {step: sorted(rows) for step, rows in found.items()}
+
+
+def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """max over tensors of |a - b| / |a| (Frobenius norms)."""
+    return max(float((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-12)) for k in a)
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run on 1 rank with 2 packs per optimizer step: (folder, losses, rows per step, weights)."""
+    tmp = tmp_path_factory.mktemp("trajectory")
+    (tmp / "recorder.py").write_text(RECORDER)
+    out = fit(tmp, fit_args(tmp, LLAMA, "one", 1, "--data.packs_per_step=2"))
+    assert "global batch: 2 packs per optimizer step (data.packs_per_step) = 1 rank x 2 accumulated" in out
+    return tmp, losses(tmp, "one"), weights(tmp / "one" / f"step={MAX_STEPS}.ckpt")
+
+
+def assert_same_trajectory(reference, name: str, *records: str) -> float:
+    """The run's losses, packs per step and final weights (in `tmp/name`) against the uninterrupted 1-rank run's."""
+    tmp, expected_losses, expected_weights = reference
+    records = records or (name,)
+    got = losses(tmp, *records)
+    assert sorted(got) == sorted(expected_losses) == list(range(MAX_STEPS))
+    for step, loss in expected_losses.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5), f"optimizer step {step}"
+    assert steps(tmp, *records) == steps(tmp, "one")
+    difference = relative_difference(expected_weights, weights(tmp / name / f"step={MAX_STEPS}.ckpt"))
+    print(f"{name}: relative weight difference to the uninterrupted 1-rank run: {difference:.2e}")
+    assert difference < 1e-4
+    return difference
+
+
+@pytest.mark.slow
+def test_the_same_config_on_two_ranks_trains_the_same_steps(reference):
+    tmp = reference[0]
+    out = fit(tmp, fit_args(tmp, LLAMA, "two", 2, "--data.packs_per_step=2"))
+    assert "global batch: 2 packs per optimizer step (data.packs_per_step) = 2 ranks x 1 accumulated" in out
+    assert_same_trajectory(reference, "two")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before, after, accumulate", [(2, 1, 1), (1, 2, 2)], ids=["2 ranks -> 1", "1 rank -> 2"])
+def test_kill_9_then_resume_on_another_world_size_keeps_the_trajectory(reference, before, after, accumulate):
+    """No global batch set: the first launch's `ranks x accumulate_grad_batches` (2) is kept by the resume."""
+    tmp = reference[0]
+    name = f"killed_{before}_{after}"
+    layout = [f"--trainer.accumulate_grad_batches={accumulate}"]
+    kill_after(tmp, fit_args(tmp, LLAMA, name, before, *layout, delay=0.5), tmp / name / "step=4.ckpt")
+    resume = [*layout, f"--ckpt_path={tmp / name / 'step=4.ckpt'}"]
+    out = fit(tmp, fit_args(tmp, LLAMA, name, after, *resume, record=f"{name}_resumed"))
+    now = f"{after} rank{'s' if after > 1 else ''} x {2 // after} accumulated"
+    assert f"keeping the checkpoint's 2 packs per optimizer step ({before} rank" in out and now in out
+    assert "the same 2 packs per optimizer step, the remaining steps as planned" in out
+    kept = assert_same_trajectory(reference, name, name, f"{name}_resumed")
+    if after == 1:  # the contrast: the same checkpoint resumed with a global batch of 1 pack is another trajectory
+        changed = [f"--ckpt_path={tmp / name / 'step=4.ckpt'}", "--data.packs_per_step=1", "--trainer.max_steps=6"]
+        out = fit(tmp, fit_args(tmp, LLAMA, f"{name}_changed", 1, *changed))
+        assert "1 pack per optimizer step (data.packs_per_step) instead of the checkpoint's 2" in out
+        assert "1 pack per optimizer step instead of 2, the " in out and "formed into new steps" in out
+        at_6 = weights(tmp / name / "step=6.ckpt")  # the kept trajectory at step 6 (the resumed run saved it)
+        difference = relative_difference(at_6, weights(tmp / f"{name}_changed" / "step=6.ckpt"))
+        print(f"{name}: a changed global batch (1 pack) differs from the kept one by {difference:.2e}")
+        assert difference > 100 * max(kept, 1e-7)
+
+
+def test_a_global_batch_the_ranks_cannot_split_is_refused(tmp_path):
+    (tmp_path / "recorder.py").write_text(RECORDER)
+    args = fit_args(tmp_path, LLAMA, "odd", 2, "--data.packs_per_step=3")
+    done = subprocess.run(args, cwd=tmp_path, env=run_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stdout.strip().splitlines()[-1] == (
+        "error: data.packs_per_step: 3 packs per optimizer step cannot be split evenly over 2 ranks "
+        "(trainer.devices=2 x trainer.num_nodes=1); run on a number of ranks that divides 3 (1, 3), or set "
+        "data.packs_per_step to a multiple of 2 (e.g. 2 or 4)"
+    )
+
+
+def test_a_resume_that_cannot_keep_the_global_batch_is_refused():
+    """A checkpoint of 2 ranks x 1 resumed on 3 ranks (a real, not yet launched, DDP trainer)."""
+    data = PackingDataModule()
+    data.trainer = Trainer(accelerator="cpu", devices=3, strategy="ddp", logger=False)
+    position = {"train_sampler": {"world_size": 2, "accumulate": 1}}
+    with pytest.raises(ConfigError) as raised:
+        data.load_state_dict(position)
+    assert str(raised.value) == (
+        "trainer.devices: the checkpoint's global batch of 2 packs per optimizer step (2 x 1 accumulated) cannot be "
+        "split evenly over 3 ranks; run on a number of ranks that divides 2 (1, 2), or set data.packs_per_step to a "
+        "multiple of 3 (e.g. 3 or 6) to change the global batch"
+    )
