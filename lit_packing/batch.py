@@ -33,6 +33,8 @@ LENGTHS = "lengths"  # host list: each real example's token count (windowed atte
 STEP = "step"
 ROWS = "rows"
 INDEX = "index"  # an example's row in the source dataset (a column of the tokenized data, and an item key)
+SOURCE_TOKENS = "source_tokens"  # host list of a streamed batch: real tokens of each of the stream's sources in it
+WINDOW = "window"  # host dict of a streamed batch: its window's number, examples, fill, data wait so far
 PACKED_KEYS = (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, SEQ_IDX)
 TRUNCATED_TOKENS = "truncated_tokens"  # an example's tokens cut by the overlong policy (a tokenized column)
 

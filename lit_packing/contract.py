@@ -45,6 +45,8 @@ class DataContract:
             exists or without a plan.
         report: what tokenization kept, cut, dropped and skipped.
         overlap_examples: validation examples whose tokens equal a training example's.
+        sources: a stream's sources as `(name, weight)`, for the share of each in the trained tokens; empty for
+            the cached path.
     """
 
     tokenizer: Any
@@ -55,6 +57,7 @@ class DataContract:
     largest_step: Callable[[], StepShape | None]
     report: TokenizationReport | None = None
     overlap_examples: int = 0
+    sources: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lit_packing.batch import COUNTS
+from lit_packing.batch import COUNTS, SOURCE_TOKENS, WINDOW
 from lit_packing.contract import DataContract
 
 
@@ -41,7 +41,10 @@ class PackingMonitor(pl.Callback):
     `data/val_overlap_examples` (validation examples also in training). Per epoch:
     `train/epoch_padding_ratio`, `train/epoch_packing_efficiency`. With several ranks, at logging steps:
     `train/rank_token_imbalance` and `train/rank_attn_imbalance` (max / mean over ranks of real tokens and of
-    attention cost sum(L^2)).
+    attention cost sum(L^2)). From a stream (`data.streaming`), per optimizer step: `train/window_fill` (real tokens
+    of the window being trained / its packs' token budget), `train/data_wait_s` (seconds the step waited for
+    tokenized data: 0 when the workers keep ahead), and at logging steps `train/source_share/<name>` (each source's
+    share of the real tokens trained so far in this launch, over all ranks).
 
     Args:
         prog_bar: show padding ratio in the progress bar.
@@ -52,6 +55,9 @@ class PackingMonitor(pl.Callback):
         self.epoch_totals: Counter[str] = Counter()
         self._step_counts: Counter[str] = Counter()  # the micro-batches of the optimizer step under way
         self._data: DataContract | None = None
+        self.source_tokens: Counter[int] = Counter()  # a stream's real tokens per source, this launch, this rank
+        self._window: dict[str, Any] | None = None
+        self._waited = 0.0
 
     def connect_data(self, data: DataContract) -> None:
         """The data's contract (`lit_packing.contract`): its tokenization report is logged at train start."""
@@ -73,6 +79,9 @@ class PackingMonitor(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._step_counts.update(batch[COUNTS])
+        if SOURCE_TOKENS in batch:
+            self.source_tokens.update(dict(enumerate(batch[SOURCE_TOKENS])))
+            self._window = batch[WINDOW]
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -91,8 +100,11 @@ class PackingMonitor(pl.Callback):
             "train/label_tokens": float(counts["label_tokens"]),
             "train/truncated_tokens": float(counts["truncated_tokens"]),
         }
-        if trainer.world_size > 1 and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
+        logging_step = trainer.global_step % max(trainer.log_every_n_steps, 1) == 0
+        if trainer.world_size > 1 and logging_step:
             metrics.update(self._rank_imbalance(pl_module, counts))
+        if self._window is not None:
+            metrics.update(self._stream_metrics(trainer, pl_module, logging_step))
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1, prog_bar=False)
         if self.prog_bar:
@@ -104,6 +116,21 @@ class PackingMonitor(pl.Callback):
         epoch = padding_metrics(self.epoch_totals)
         pl_module.log("train/epoch_padding_ratio", epoch["padding_ratio"], on_epoch=True, batch_size=1)
         pl_module.log("train/epoch_packing_efficiency", epoch["packing_efficiency"], on_epoch=True, batch_size=1)
+
+    def _stream_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule, logging_step: bool) -> dict:
+        window, metrics = self._window, {}
+        if window.get("fill") is not None:
+            metrics["train/window_fill"] = window["fill"]
+        waited, self._waited = window["waited_s"] - self._waited, window["waited_s"]
+        metrics["train/data_wait_s"] = max(waited, 0.0)
+        if logging_step and self._data is not None and self._data.sources:
+            names = [name for name, _ in self._data.sources]
+            local = torch.tensor([float(self.source_tokens[i]) for i in range(len(names))], dtype=torch.float64)
+            if trainer.world_size > 1:
+                local = trainer.strategy.reduce(local.to(pl_module.device), reduce_op="sum").cpu()
+            total = max(float(local.sum()), 1.0)
+            metrics.update({f"train/source_share/{n}": float(v) / total for n, v in zip(names, local.tolist())})
+        return metrics
 
     @staticmethod
     def _rank_imbalance(pl_module: pl.LightningModule, counts: dict[str, int]) -> dict[str, float]:

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lit_packing._compat import should_update_logs
-from lit_packing.batch import COUNTS, LENGTHS
+from lit_packing.batch import COUNTS, LENGTHS, SOURCE_TOKENS
 from lit_packing.contract import DataContract
 from lit_packing.cost import ModelShape, hardware_flops, model_flops, model_shape
 
@@ -137,6 +137,7 @@ class TokenThroughputMonitor(pl.Callback):
     ) -> None:
         now = time.perf_counter()
         counts = Counter(batch[COUNTS])
+        counts.update({f"source_tokens_{i}": tokens for i, tokens in enumerate(batch.get(SOURCE_TOKENS, ()))})
         if self._shape:
             counts["flops"] = model_flops(self._shape, batch[COUNTS], batch[LENGTHS])
             counts["hardware_flops"] = hardware_flops(self._shape, batch[COUNTS])
@@ -196,12 +197,26 @@ class TokenThroughputMonitor(pl.Callback):
         for key in ("train/loss", "val/loss", "val/perplexity"):
             if key in metrics:
                 rows.append((key, f"{float(metrics[key]):.4f}"))
+        rows += self._source_rows(trainer, pl_module, launch)
         rows += data_rows(self._data, pl_module, launch)
         title = "lit_packing fit summary" + (f" (resumed at step {self._first_step:,})" if launch else "")
         table = Table(title=title, show_header=False)
         for name, value in rows:
             table.add_row(name, value)
         return table
+
+    def _source_rows(self, trainer: pl.Trainer, pl_module: pl.LightningModule, launch: str) -> list[tuple[str, str]]:
+        """A stream's sources: each one's share of the real tokens trained, beside its weight (all ranks)."""
+        sources = self._data.sources if self._data is not None else ()
+        if not sources:
+            return []
+        names = [f"source_tokens_{i}" for i in range(len(sources))]
+        tokens = _sum_over_ranks(trainer, pl_module, self.totals, names)
+        total, weights = max(sum(tokens.values()), 1.0), sum(w for _, w in sources)
+        return [
+            (_label(f"share of real tokens: {name}", launch), f"{tokens[key] / total:.3f} (weight {w / weights:.3f})")
+            for (name, w), key in zip(sources, names)
+        ]
 
     def _step_rows(self, trainer: pl.Trainer) -> list[tuple[str, str]]:
         """The optimizer steps: one row for a fresh run, the run's (global step) and this launch's after a resume."""

@@ -10,9 +10,11 @@ _HOMES = {
     "collate": ("PackedCollator", "PaddedCollator"),
     "datamodule": ("PackingDataModule", "split_rows"),
     "sources": (
-        "ChampChats", "ChampProblems", "Chatterbot", "HFDataset", "HumanEval", "Source", "StateOfTheUnion",
-        "example_shape",
+        "ChampChats", "ChampProblems", "Chatterbot", "HFDataset", "HumanEval", "LitData", "Shard", "Source",
+        "StateOfTheUnion", "example_shape",
     ),
+    "mixture": ("Mixture",),
+    "stream": ("StreamLoader",),
     "tokenize": ("DEFAULT_CHAT_TEMPLATE", "TokenizationReport", "TokenizedDataset", "tokenize_dataset"),
 }  # fmt: skip
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}

@@ -36,9 +36,12 @@ from lit_packing.assets import resolve_pretrained
 from lit_packing.batch import INPUT_IDS
 from lit_packing.contract import DataContract, ModelContract, setting_paths
 from lit_packing.data.collate import PackedCollator, PaddedCollator, StepShape
+from lit_packing.data.mixture import Mixture
 from lit_packing.data.sources import ChampChats, Source
+from lit_packing.data.stream import Stream, StreamLoader, TokenizeRules, Window, held_out, members, split_id
 from lit_packing.data.tokenize import (
     INDEX,
+    LINE,
     ROW,
     SAMPLES,
     TOKEN_HASH,
@@ -50,7 +53,7 @@ from lit_packing.data.tokenize import (
     tokenize_dataset,
 )
 from lit_packing.errors import ConfigError, DataError, check_range
-from lit_packing.samplers import AUTO, BestFitPackingSampler, PlannedBatchSampler, RunContext
+from lit_packing.samplers import AUTO, BestFitPackingSampler, PlannedBatchSampler, RunContext, worst_pack
 from lit_packing.text import count, dividing_fix
 
 log = logging.getLogger(__name__)
@@ -166,6 +169,12 @@ class PackingDataModule(LightningDataModule):
             launch, which a resume on another world size keeps (see `docs/resume_and_scale_out.md`).
         tokens_per_step: the global batch in tokens, for samplers with a token budget: `tokens_per_step /
             max_tokens` packs per optimizer step (a whole number). Set at most one of the two.
+        streaming: read the source as a stream (`lit_packing.data.stream`): nothing is tokenized ahead of training,
+            the DataLoader workers tokenize chunks of `buffer_size` rows, and the sampler plans each window of
+            `buffer_size` examples as it plans an epoch here. Needs `trainer.max_steps` (a stream's length is known
+            only by reading it); `val_split` is then a count of each source's first rows (held out, in file order).
+            A `Mixture` source is always streamed.
+        buffer_size: with `streaming`, examples per window (and rows per tokenized chunk).
     """
 
     def __init__(
@@ -188,6 +197,8 @@ class PackingDataModule(LightningDataModule):
         on_bad_row: OnBadRow = "error",
         packs_per_step: int | None = None,
         tokens_per_step: int | None = None,
+        streaming: bool = False,
+        buffer_size: int = 1000,
     ) -> None:
         super().__init__()
         check_tokenize_settings(max_length, overlong, train_on, on_bad_row)
@@ -198,6 +209,7 @@ class PackingDataModule(LightningDataModule):
         check_val_split(val_split)
         check_range("data.packs_per_step", packs_per_step, 1)
         check_range("data.tokens_per_step", tokens_per_step, 1)
+        check_range("data.buffer_size", buffer_size, 1)
         if packs_per_step is not None and tokens_per_step is not None:
             raise ConfigError(
                 "data.tokens_per_step",
@@ -222,6 +234,15 @@ class PackingDataModule(LightningDataModule):
         self.on_bad_row = on_bad_row
         self.packs_per_step = packs_per_step
         self.tokens_per_step = tokens_per_step
+        self.streaming = streaming or isinstance(source, Mixture)
+        if self.streaming and limit is not None:
+            raise ConfigError(
+                "data.limit",
+                f"{limit} is a seeded random subset of the whole data, and a stream is read in order",
+                "leave it unset with data.streaming (trainer.max_steps bounds the run)",
+            )
+        self.buffer_size = buffer_size
+        self.stream: Stream | None = None  # with `streaming`, built by `setup`
         for component, factory in (("sampler", sampler), ("val_sampler", val_sampler)):
             if factory is not None:
                 self._probe(component, factory)
@@ -275,8 +296,10 @@ class PackingDataModule(LightningDataModule):
     # ------------------------------------------------------------ Lightning hooks
 
     def prepare_data(self) -> None:
-        """Load the source and tokenize it into the disk cache (Lightning runs this on one process per node)."""
-        self._tokenize(announce=True)
+        """Load the source and tokenize it into the disk cache (Lightning runs this on one process per node); a
+        stream is tokenized while it trains."""
+        if not self.streaming:
+            self._tokenize(announce=True)
         self._prepared = True
 
     def setup(self, stage: str | None = None) -> None:
@@ -284,7 +307,10 @@ class PackingDataModule(LightningDataModule):
         set the trainer's gradient accumulation from the global batch (`packs_per_step` / `tokens_per_step`)."""
         if self.trainer is not None and stage in (None, "fit"):
             self._apply_global_batch()
-        if self.train_dataset is not None:
+        if self.train_dataset is not None or self.stream is not None:
+            return
+        if self.streaming:
+            self._setup_stream(stage)
             return
         tokenized = self._tokenize(announce=not self._prepared)  # one line per run says where the data came from
         train, self.report = tokenized["train"]
@@ -427,10 +453,24 @@ class PackingDataModule(LightningDataModule):
 
     def largest_step(self) -> StepShape | None:
         """The training plan's micro-batch that needs the most memory (the collator's slots of the sampler's
-        plan; no batch is built); None before `train_dataloader` or for a sampler without a plan."""
+        plan; no batch is built); for a stream, the worst a window can plan (examples of `max_length` tokens);
+        None before `train_dataloader` or for a sampler without a plan."""
+        if isinstance(self.train_sampler, StreamLoader):
+            return self._largest_stream_step()
         if not isinstance(self.train_sampler, PlannedBatchSampler):
             return None
         return self.collator(self.pad_token_id).plan_slots(self.train_sampler.plan()).largest()
+
+    def _largest_stream_step(self) -> StepShape | None:
+        probe = self.sampler(np.zeros(0, dtype=np.int64))
+        budget, size = getattr(probe, "max_tokens", None), getattr(probe, "batch_size", None)
+        if isinstance(budget, int):
+            pack = worst_pack(0, min(self.max_length, budget), budget)
+        elif isinstance(size, int):
+            pack = worst_pack(size, self.max_length)
+        else:  # `auto`: sized by the estimate itself
+            return None
+        return self.collator(self.pad_token_id).plan_slots(pack).largest()
 
     @property
     def token_id_range(self) -> tuple[int, int]:
@@ -468,7 +508,9 @@ class PackingDataModule(LightningDataModule):
                     f"{self.overlap_examples:,}", f"{len(val):,}", rows,
                 )  # fmt: skip
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> DataLoader | StreamLoader:
+        if self.stream is not None:
+            return self._stream_loader()
         dataset = self._require(self.train_dataset)
         # Every pack carries its optimizer step's label totals (`label_counter`): the loss needs no communication.
         self.train_sampler = self._build_sampler("sampler", self.sampler, self.train_lengths, dataset.count_labels)
@@ -509,7 +551,7 @@ class PackingDataModule(LightningDataModule):
             return {}
         if self.trainer is None:
             return {"train_sampler": self.train_sampler.state_dict()}
-        if isinstance(self.train_sampler, PlannedBatchSampler):
+        if isinstance(self.train_sampler, (PlannedBatchSampler, StreamLoader)):
             position = self.train_sampler.state_dict(steps_done=trained_batches(self.trainer))
         else:
             position = self.train_sampler.state_dict()
@@ -540,6 +582,93 @@ class PackingDataModule(LightningDataModule):
         step = position.get("global_step", self.trainer.global_step if self.trainer is not None else 0)
         restored = getattr(self.train_sampler, "restored", None) or "the saved position"
         log.info("resumed at optimizer step %s: %s", f"{step:,}", restored)
+
+    # ------------------------------------------------------------ streaming
+
+    def _setup_stream(self, stage: str | None) -> None:
+        """Hold out the validation rows (tokenized now, as the cached path does), and set up the stream of the rest."""
+        if self.trainer is not None and stage in (None, "fit") and (self.trainer.max_steps or -1) < 0:
+            raise ConfigError(
+                "trainer.max_steps",
+                "a stream's length is known only by reading it, so the learning-rate schedule needs the run's length",
+                "set it (e.g. --trainer.max_steps=1000); trainer.max_epochs may still end the run earlier",
+            )
+        rules = TokenizeRules(self.tokenizer, self.max_length, self.overlong, self.train_on, self.on_bad_row)
+        held, rows, ids = held_out(self.source, self._held_count(), self.cache_dir)
+        self.stream = Stream(
+            self.source, rules, self.buffer_size, self.seed, self.num_workers, held, cache_dir=self.cache_dir
+        )
+        self.report = TokenizationReport()
+        val = self._tokenize_held(rows, ids) if rows else None
+        self.val_dataset = self.test_dataset = val
+        names = ", ".join(f"{m.name} {m.weight:g}" for m in self.stream.members)
+        log.info(
+            "%r with %s: streamed in windows of %s (sources: %s), tokenized as it trains; %s validation examples "
+            "held out", self.source, self.tokenizer_name, count(self.buffer_size, "example"), names,
+            f"{len(val) if val is not None else 0:,}",
+        )  # fmt: skip
+        self.contract = DataContract(
+            tokenizer=self.tokenizer,
+            pad_token_id=self.pad_token_id,
+            vocab_size=self.vocab_size,
+            token_id_range=(0, self.vocab_size - 1),  # what the tokenizer can emit: the stream is not read yet
+            name_rows=lambda indices: "; ".join(self.stream.name_example(int(i)) for i in indices),
+            largest_step=self.largest_step,
+            report=self.report,
+            sources=tuple((m.name, m.weight) for m in self.stream.members),
+        )
+
+    def _held_count(self) -> int:
+        """`val_split` as a count of each source's first rows; a fraction where every shard's row count is known."""
+        if not isinstance(self.val_split, float):
+            return self.val_split
+        if not self.val_split:
+            return 0
+        sizes = [shard.rows for member in members(self.source) for shard in member.source.shards(self.cache_dir)]
+        if any(size is None for size in sizes):
+            raise ConfigError(
+                "data.val_split",
+                f"{self.val_split} is a fraction of a stream whose size is known only by reading it",
+                "give a count of each source's first rows to hold out (e.g. data.val_split=200), or 0",
+            )
+        return max(1, round(self.val_split * sum(sizes) / max(len(members(self.source)), 1)))
+
+    def _tokenize_held(self, rows: list[dict], ids: list[int]) -> TokenizedDataset:
+        """The held-out rows, tokenized with the cached path's function (in memory), one source at a time."""
+        parts, reports = [], []
+        by_source: dict[int, list[int]] = {}
+        for k, example in enumerate(ids):
+            by_source.setdefault(split_id(example)[0], []).append(k)
+        for positions in by_source.values():
+            raw = datasets.Dataset.from_list([{k: v for k, v in rows[p].items() if k != LINE} for p in positions])
+            tokenized, report = tokenize_dataset(
+                raw, self.tokenizer, self.max_length, self.overlong, self.train_on, on_bad_row=self.on_bad_row,
+                rows=np.asarray([ids[p] for p in positions], dtype=np.int64), row_name=self.stream.name_example,
+            )  # fmt: skip
+            parts.append(tokenized)
+            reports.append(report)
+        self.report = sum(reports[1:], reports[0])
+        return TokenizedDataset(datasets.concatenate_datasets(parts))
+
+    def _stream_loader(self) -> StreamLoader:
+        """The training loader of the stream: each window planned by the configured sampler, connected to the run."""
+        trainer = self.trainer
+
+        def layout() -> tuple[int, int]:
+            return (trainer.world_size, trainer.accumulate_grad_batches) if trainer is not None else (1, 1)
+
+        def make_sampler(window: Window) -> PlannedBatchSampler:
+            sampler = self._build_sampler("sampler", self.sampler, window.lengths, window.count_labels)
+            if not isinstance(sampler, PlannedBatchSampler):
+                raise ConfigError(
+                    "data.sampler", f"{sampler!r} has no plan to stream with", "use a lit_packing sampler"
+                )
+            return sampler
+
+        self.train_sampler = StreamLoader(self.stream, make_sampler, self.collator(self.pad_token_id), layout)
+        if self._position is not None:
+            self._restore_position()
+        return self.train_sampler
 
     # ------------------------------------------------------------ steps
 

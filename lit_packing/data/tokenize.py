@@ -343,16 +343,22 @@ def _samples(where: np.ndarray, rows: np.ndarray, details: np.ndarray | None = N
 
 
 def _report(mapped: datasets.Dataset) -> TokenizationReport:
-    length, cut = column(mapped, LENGTH).astype(np.int64), column(mapped, TRUNCATED_TOKENS).astype(np.int64)
-    trained, dropped = column(mapped, LABEL_TOKENS).astype(np.int64), column(mapped, _DROPPED)
-    rows, problems, hashes = column(mapped, ROW), column(mapped, PROBLEM), column(mapped, TOKEN_HASH)
+    return report_of(lambda name: column(mapped, name))
+
+
+def report_of(read: Callable[[str], np.ndarray]) -> TokenizationReport:
+    """The report of tokenized rows, each column given by `read(name)` (a mapped dataset's column, or a streamed
+    chunk's); duplicates are counted among these rows."""
+    length, cut = read(LENGTH).astype(np.int64), read(TRUNCATED_TOKENS).astype(np.int64)
+    trained, dropped = read(LABEL_TOKENS).astype(np.int64), read(_DROPPED)
+    rows, problems, hashes = read(ROW), read(PROBLEM), read(TOKEN_HASH)
     kept, overlong, unlabelled, bad = dropped == "", dropped == "overlong", dropped == "no_labels", dropped == "bad"
-    duplicate = np.zeros(len(mapped), dtype=bool)
+    duplicate = np.zeros(len(length), dtype=bool)
     _, first = np.unique(hashes[kept], return_index=True)
     duplicate[np.flatnonzero(kept)] = True
     duplicate[np.flatnonzero(kept)[first]] = False
     return TokenizationReport(
-        examples_in=len(mapped),
+        examples_in=len(length),
         examples_out=int(kept.sum()),
         tokens_in=int((length + cut).sum()),
         real_tokens=int(length[kept].sum()),

@@ -366,6 +366,16 @@ class PlannedBatchSampler(Sampler[list]):
             ordered = self._order_steps(plan, np.arange(len(plan), dtype=np.int64), self.world_size, self.accumulate)
         return self._place(plan, ordered, self.world_size, self.accumulate)
 
+    def full_steps(self) -> tuple[int, list[list]]:
+        """``(micro-batches of the epoch's full optimizer steps, the packs of its last step when that one holds fewer
+        than global_batch packs)``: what a stream trains of a window, and what it carries into the next one instead of
+        completing the step with empty packs."""
+        plan = self.plan()
+        ordered = self._ordered(plan, self.world_size, self.accumulate)
+        full, rest = divmod(len(ordered), self.global_batch)
+        trailing = [plan.pack(int(p)) for p in ordered[len(ordered) - rest :]]
+        return self._offset + full * self.accumulate, trailing
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch to plan; a pending resume point survives only if it belongs to this epoch."""
         if epoch != self.epoch:
