@@ -13,9 +13,10 @@ drawn from CHAMP's with replacement (seeded). Stream order: ``np.random.default_
 examples, ``order`` = 0 for the tables. Samplers: ``BestFitPackingSampler`` and ``MultipackSampler`` for ``--ranks``
 (8) ranks, at ``--max-tokens`` (8,192). Window ms: the median over the stream's windows of building the sampler,
 planning the window and dealing it to the ranks (``schedule()``), after the numba kernels are loaded: what every
-rank pays for every window. Not part of fill, and shown apart: the stream completes each window's last optimizer step
-with empty packs (a step never straddles two windows); "empty %" is their share of the micro-batches for a global
-batch of ``--global-batches`` (8, 64) packs per step (``empty_share``). The target line gives the CHAMP gap at
+rank pays for every window. Not part of fill, and shown apart: what completing each window's last optimizer step
+with empty packs would cost (the stream carries that step's examples into the next window instead); "empty %" is
+their share of the micro-batches for a global batch of ``--global-batches`` (8, 64) packs per step
+(``empty_share``). The target line gives the CHAMP gap at
 ``buffer_size`` 1,000 for ``--orders`` stream orders.
 
 Usage: ``python -m lit_packing.bench.stream_fill`` (seconds once CHAMP is tokenized; the first run tokenizes it, about

@@ -298,7 +298,10 @@ class PackingDataModule(LightningDataModule):
     def prepare_data(self) -> None:
         """Load the source and tokenize it into the disk cache (Lightning runs this on one process per node); a
         stream is tokenized while it trains."""
-        if not self.streaming:
+        if self.streaming:  # build what a source's shards read (a packaged source's Arrow files) once
+            for member in members(self.source):
+                member.source.shards(self.cache_dir)
+        else:
             self._tokenize(announce=True)
         self._prepared = True
 

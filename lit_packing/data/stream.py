@@ -19,9 +19,10 @@ Nothing is tokenized ahead of training. One epoch of the stream, the same on eve
 
 The position a checkpoint keeps (`StreamLoader.state_dict`): the epoch, the window, the mixer's state at the
 window's start (each source's pass, rows read and tokens taken), the examples carried into it, and the window
-sampler's trained micro-batches; never what the workers prefetched, nothing rank-local. A resume re-reads the window from the sources' positions,
-plans it again (the same window, the same plan) and continues: exactly, or on another layout by re-dealing the
-window's untrained packs (`PlannedBatchSampler.load_state_dict`), every example still once.
+sampler's trained micro-batches; never what the workers prefetched, nothing rank-local. A resume re-reads the
+window from the sources' positions, plans it again (the same window, the same plan) and continues: exactly, or on
+another layout by re-dealing the window's untrained packs (`PlannedBatchSampler.load_state_dict`), every example
+still once.
 """
 
 from __future__ import annotations
@@ -506,7 +507,9 @@ class StreamLoader:
             self.resumed_at = None
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        resume, self._resume = self._resume, None
+        # A restored position holds until a pass completes: Lightning may start (and prefetch from) an iterator that
+        # it then throws away, and the next one must start at the same position.
+        resume = self._resume
         state = MixerState.start(len(self.stream.members))
         number, steps_before, sampler_state = 0, 0, None
         if resume is not None:
@@ -557,6 +560,7 @@ class StreamLoader:
             self.report = mixer.report
             steps_before += total // accumulate
             number += 1
+        self._resume = None  # a whole pass is done: the next one is a whole epoch
 
     def _collate(self, window: Window, pack: Pack, fill: dict[str, Any]) -> dict[str, Any]:
         batch = self.collate(Pack([window[key] for key in pack], step=pack.step))
@@ -570,14 +574,20 @@ class StreamLoader:
 
     def state_dict(self, steps_done: int | None = None) -> dict[str, Any]:
         """The trained position: the window holding micro-batch `steps_done` of the epoch (Lightning's count of
-        trained micro-batches), the mixer's state at its start, the window sampler's position in it."""
+        trained micro-batches), the mixer's state at its start, the window sampler's position in it.
+
+        Without `steps_done` (Lightning asking its loader, which it takes as resumable for having this method): {},
+        since only the trained count makes a position; the data module saves the one copy, with that count.
+        """
+        if steps_done is None:
+            return {}
         identity = self.stream.identity()
         world_size, accumulate = self.layout()
         base = {"epoch": self.epoch, "identity": identity, "world_size": world_size, "accumulate": accumulate}
         if not self._records:
             return {**base, "window": 0, "steps_before": 0, "sampler": None, "carried": Carried().as_dict(),
                     "mixer": MixerState.start(len(self.stream.members)).as_dict()}  # fmt: skip
-        trained = self._records[-1].start + self._records[-1].micro_batches if steps_done is None else steps_done
+        trained = steps_done
         for record in self._records:
             if record.start <= trained < record.start + record.micro_batches:
                 inside = min(trained - record.start, len(record.sampler))
@@ -591,6 +601,8 @@ class StreamLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at `state`'s window; refuse a position of another stream, naming the setting that differs."""
+        if not state:
+            return  # Lightning handing back its loader's (empty) state
         if "identity" not in state:
             raise ConfigError(
                 "data.streaming",
