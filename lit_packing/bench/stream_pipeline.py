@@ -183,8 +183,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{rate / args.train_tokens_per_sec:,.0f}x (target >= 10x)")  # fmt: skip
         if len(rss):
             quarter = max(len(rss) // 4, 1)
-            print(f"resident memory (MiB, process + workers): first quarter mean {rss[:quarter].mean():,.0f}, last "
-                  f"quarter mean {rss[-quarter:].mean():,.0f}, max {rss.max():,.0f} over {len(rss)} samples")  # fmt: skip
+            first, last = rss[:quarter].mean(), rss[-quarter:].mean()
+            print(f"resident memory (MiB, process + workers): first quarter mean {first:,.0f}, last quarter mean "
+                  f"{last:,.0f}, max {rss.max():,.0f} over {len(rss)} samples")  # fmt: skip
 
         short = write_chats(Path(tmp) / "short", small_n, seed=2, scale=0.5)
         long_ = write_chats(Path(tmp) / "long", small_n, seed=3, scale=2.0)

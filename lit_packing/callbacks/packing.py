@@ -16,6 +16,8 @@ import torch
 from lit_packing.batch import COUNTS, SOURCE_TOKENS, WINDOW
 from lit_packing.contract import DataContract
 
+STARVED_S = 0.01  # a stream's step that waited longer than this for data is counted as starved
+
 
 def padding_metrics(counts: dict[str, int]) -> dict[str, float]:
     """Per-step packing metrics from one batch's (or a sum of batches') counts.
@@ -43,8 +45,10 @@ class PackingMonitor(pl.Callback):
     `train/rank_token_imbalance` and `train/rank_attn_imbalance` (max / mean over ranks of real tokens and of
     attention cost sum(L^2)). From a stream (`data.streaming`), per optimizer step: `train/window_fill` (real tokens
     of the window being trained / its packs' token budget), `train/data_wait_s` (seconds the step waited for
-    tokenized data: 0 when the workers keep ahead), and at logging steps `train/source_share/<name>` (each source's
-    share of the real tokens trained so far in this launch, over all ranks).
+    tokenized data: 0 when the workers keep ahead), `train/starved_steps` (steps so far that waited over 10 ms),
+    `train/data_examples_per_sec` (rows the workers tokenize per second of their time, times the workers: the
+    pipeline's capacity), and at logging steps `train/source_share/<name>` (each source's share of the real tokens
+    trained so far in this launch, over all ranks).
 
     Args:
         prog_bar: show padding ratio in the progress bar.
@@ -58,6 +62,7 @@ class PackingMonitor(pl.Callback):
         self.source_tokens: Counter[int] = Counter()  # a stream's real tokens per source, this launch, this rank
         self._window: dict[str, Any] | None = None
         self._waited = 0.0
+        self.starved_steps = 0  # steps of a stream that waited on the data
 
     def connect_data(self, data: DataContract) -> None:
         """The data's contract (`lit_packing.contract`): its tokenization report is logged at train start."""
@@ -122,7 +127,10 @@ class PackingMonitor(pl.Callback):
         if window.get("fill") is not None:
             metrics["train/window_fill"] = window["fill"]
         waited, self._waited = window["waited_s"] - self._waited, window["waited_s"]
+        self.starved_steps += waited > STARVED_S
         metrics["train/data_wait_s"] = max(waited, 0.0)
+        metrics["train/starved_steps"] = float(self.starved_steps)
+        metrics["train/data_examples_per_sec"] = window["examples_per_sec"]
         if logging_step and self._data is not None and self._data.sources:
             names = [name for name, _ in self._data.sources]
             local = torch.tensor([float(self.source_tokens[i]) for i in range(len(names))], dtype=torch.float64)

@@ -257,6 +257,7 @@ class PackingDataModule(LightningDataModule):
         self.contract: DataContract | None = None  # published by `setup`
         self._prepared = False  # `prepare_data` ran in this process (and announced the data)
         self.model_contract: ModelContract | None = None  # what the model publishes (`connect_model`)
+        self._auto_chosen: dict[str, int] = {}  # what a sampler's `auto` setting was sized to
 
     # ------------------------------------------------------------ run-time values (linked to the model by the CLI)
 
@@ -598,10 +599,11 @@ class PackingDataModule(LightningDataModule):
             )
         rules = TokenizeRules(self.tokenizer, self.max_length, self.overlong, self.train_on, self.on_bad_row)
         held, rows, ids = held_out(self.source, self._held_count(), self.cache_dir)
+        self.report = TokenizationReport()  # the held-out rows', then every streamed chunk's as it is read
         self.stream = Stream(
-            self.source, rules, self.buffer_size, self.seed, self.num_workers, held, cache_dir=self.cache_dir
-        )
-        self.report = TokenizationReport()
+            self.source, rules, self.buffer_size, self.seed, self.num_workers, held, cache_dir=self.cache_dir,
+            report=self.report,
+        )  # fmt: skip
         val = self._tokenize_held(rows, ids) if rows else None
         self.val_dataset = self.test_dataset = val
         names = ", ".join(f"{m.name} {m.weight:g}" for m in self.stream.members)
@@ -650,7 +652,8 @@ class PackingDataModule(LightningDataModule):
             )  # fmt: skip
             parts.append(tokenized)
             reports.append(report)
-        self.report = sum(reports[1:], reports[0])
+        for report in reports:
+            self.report.update(report)
         return TokenizedDataset(datasets.concatenate_datasets(parts))
 
     def _stream_loader(self) -> StreamLoader:
@@ -773,10 +776,15 @@ class PackingDataModule(LightningDataModule):
                 "auto sizes each step with the model's memory estimate, and no model is connected to this data",
                 "give it a number, or fit with a PackedCausalLM",
             )
+        chosen = self._auto_chosen.get(setting)
+        if chosen is not None and chosen >= candidates[0]:  # chosen once (a stream asks for every window)
+            return chosen
         collator = self.collator(self.pad_token_id)
         value, _ = self.model_contract.largest_fitting(
             lambda v: collator.plan_slots(worst_pack(v)).largest(), candidates, what=setting
         )
+        if value is not None:
+            self._auto_chosen[setting] = value
         return value
 
     def _loader(

@@ -117,6 +117,7 @@ class Chunk:
     truncated: np.ndarray
     label_tokens: np.ndarray
     report: TokenizationReport
+    seconds: float  # spent tokenizing it (in its worker)
     error: str | None = None
 
 
@@ -193,6 +194,7 @@ def tokenize_rows(
 ) -> Chunk:
     """Tokenize one chunk of `(shard, row, raw row)` with the cached path's function; a bad row is kept in the
     report with its problem (under `on_bad_row: error` the chunk carries the error, raised by the reader)."""
+    began = time.perf_counter()
     names = sorted({k for _, _, raw in block for k in raw} - {LINE})
     batch = {name: [raw.get(name) for _, _, raw in block] for name in names}
     ids = [example_id(source, shard, raw.get(LINE, row)) for shard, row, raw in block]  # a file's line names it
@@ -217,6 +219,7 @@ def tokenize_rows(
         truncated=columns[TRUNCATED_TOKENS][kept].astype(np.int64),
         label_tokens=columns[LABEL_TOKENS][kept].astype(np.int64),
         report=report,
+        seconds=time.perf_counter() - began,
         error=error if report.bad_examples or report.dropped_overlong_examples else None,
     )
 
@@ -290,8 +293,9 @@ class Mixer:
         self._chunks: list[Iterator[Chunk] | None] = [None] * n
         self._open: list[Chunk | None] = [None] * n
         self._next: list[int] = [0] * n  # position in the open chunk's kept examples
-        self.report = TokenizationReport()
+        self.report = stream.report  # grows as chunks are read (the data module's, shown in the fit summary)
         self.waited = 0.0  # seconds spent waiting for tokenized chunks
+        self.tokenized = [0, 0.0]  # rows tokenized and the workers' seconds for them
         self.finished = False
 
     def _reader(self, i: int) -> Iterator[Chunk]:
@@ -316,7 +320,8 @@ class Mixer:
             if chunk.error:
                 shard_name = self.stream.name_example
                 raise DataError(_named(chunk.error, shard_name))
-            self.report = self.report + chunk.report
+            self.report.update(chunk.report)
+            self.tokenized = [self.tokenized[0] + chunk.rows, self.tokenized[1] + chunk.seconds]
             offset = state.read[i] - chunk.number * self.stream.buffer_size
             position = int(np.searchsorted(chunk.row_in_chunk, max(offset, 0)))
             if position < len(chunk.ids):
@@ -438,6 +443,7 @@ class Stream:
         held: Sequence[Sequence[int]] | None = None,
         shuffle: bool = True,
         cache_dir: str | None = None,
+        report: TokenizationReport | None = None,
     ) -> None:
         self.source = source
         self.members = members(source)
@@ -445,6 +451,7 @@ class Stream:
         self.buffer_size = buffer_size
         self.seed = seed
         self.num_workers = num_workers
+        self.report = report if report is not None else TokenizationReport()  # what the stream's rows gave so far
         self.weight_by = getattr(source, "weight_by", "tokens")
         self.on_exhausted = getattr(source, "on_exhausted", "stop")
         held = held or [[] for _ in self.members]
@@ -497,7 +504,6 @@ class StreamLoader:
         self._resume: dict[str, Any] | None = None
         self.resumed_at: int | None = None
         self.restored: str | None = None
-        self.report = TokenizationReport()
         self.mixer: Mixer | None = None
 
     def set_epoch(self, epoch: int) -> None:
@@ -555,9 +561,10 @@ class StreamLoader:
                 if pack is None:  # complete the window's last optimizer step with empty packs
                     pack = Pack([], step=step)
                 step, position = pack.step, position + 1
+                rows, seconds = mixer.tokenized
                 fill["waited_s"] = mixer.waited
+                fill["examples_per_sec"] = rows / max(seconds, 1e-9) * max(self.stream.num_workers, 1)
                 yield self._collate(window, pack, fill)
-            self.report = mixer.report
             steps_before += total // accumulate
             number += 1
         self._resume = None  # a whole pass is done: the next one is a whole epoch

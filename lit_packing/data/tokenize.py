@@ -120,6 +120,12 @@ class TokenizationReport:
         """Plain ints for loggers (`logger.log_hyperparams({"data": report.as_dict()})`)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "samples"}
 
+    def update(self, other: TokenizationReport) -> None:
+        """Add `other`'s counts to these, in place (a stream's report grows as its chunks are tokenized)."""
+        total = self + other
+        for name, value in vars(total).items():
+            setattr(self, name, value)
+
     def __add__(self, other: TokenizationReport) -> TokenizationReport:
         kinds = {**self.samples, **other.samples}
         samples = {k: (self.samples.get(k, []) + other.samples.get(k, []))[:SAMPLES] for k in kinds}

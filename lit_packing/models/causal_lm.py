@@ -10,7 +10,8 @@ What it adds to a plain `AutoModelForCausalLM`:
   packing never changes the gradient: each micro-batch's loss sum is divided by its optimizer step's global label
   count, which every batch carries (`batch["step"]`, from the sampler's global plan), so no gradient is ever
   rescaled and no rank communicates for it;
-- a memory estimate of the largest step before the first one (see `memory.py`);
+- a memory estimate of the largest step before the first one, and the largest step that fits for
+  `max_tokens: auto` / `batch_size: auto` (`largest_fitting`; see `memory.py`);
 - a host-side check of every batch and an isolation self-test before the first step (see `isolation.py`);
 - numerics guards: a non-finite loss or gradient stops the run naming the step (`nonfinite=error`) or skips the
   step and counts it (`skip`, logged as `train/nonfinite_steps`); `export` refuses non-finite weights; token ids
@@ -24,7 +25,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -47,6 +48,7 @@ from lit_packing.batch import (
 )
 from lit_packing.contract import DataContract, DataModelConnection, ModelContract
 from lit_packing.cost import model_shape
+from lit_packing.data.collate import StepShape
 from lit_packing.errors import ConfigError, DataError, TrainingError, check_range
 from lit_packing.models.attention import AttnBackend, attn_implementation, available_backends, resolve_backend
 from lit_packing.models.isolation import check_isolation, check_packed_batch
@@ -59,7 +61,13 @@ from lit_packing.models.loss import (
     check_loss_settings,
     eval_sums,
 )
-from lit_packing.models.memory import check_fit_memory
+from lit_packing.models.memory import (
+    MemoryEstimate,
+    check_fit_memory,
+    choose_largest_fitting,
+    increasing,
+    memory_model,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +79,8 @@ NonFinite = Literal["error", "skip"]
 SAMPLE_ROWS = 8  # source rows named when a step fails
 # Core parameters that are `model.<name>` settings (a core `ConfigError` naming one is re-raised with that path).
 MODEL_SETTINGS = ("attn_backend", "loss_impl", "loss_normalization", "loss_chunk_size")
+# What the value of a sampler setting sized by `largest_fitting` (`auto`) counts, as its log line says it.
+AUTO_UNITS = {"max_tokens": "tokens per pack", "batch_size": "examples per batch"}
 
 
 class PackedCausalLM(LightningModule):
@@ -91,7 +101,14 @@ class PackedCausalLM(LightningModule):
             Liger-Kernel's fused linear cross-entropy (CUDA, `pip install lit_packing[liger]`, token loss only).
         loss_chunk_size: label tokens per chunk of `chunked` (memory: ~16 bytes x chunk x vocabulary).
         memory_check: before the first step, predict the largest step's peak memory (logged as
-            `train/predicted_peak_memory_gb`) and stop when it exceeds the device's (see `memory.py`).
+            `train/predicted_peak_memory_gb`) and stop when it exceeds the limit (see `memory.py`).
+        memory_limit_gb: the memory, in GiB, the whole process may hold at a step's peak: `memory_check` stops a
+            step predicted over it and `max_tokens: auto` sizes steps under it. None: the device's memory (what the
+            process holds + what the device can still give it); a number lowers that (room for other processes,
+            or a smaller device's budget), never raises it.
+        memory_margin: the fraction of the limit `max_tokens: auto` (and `batch_size: auto`) keeps free: the chosen
+            step's predicted peak is at most `memory_limit_gb` x (1 - margin). 0.25 covers the largest
+            under-prediction measured (a whole run peaking at 1.32x its prediction: docs/memory_and_compile.md).
         lr: peak learning rate (AdamW).
         weight_decay: AdamW weight decay, not applied to biases, norms and embeddings.
         betas: AdamW betas.
@@ -121,6 +138,8 @@ class PackedCausalLM(LightningModule):
         loss_impl: LossImpl = "chunked",
         loss_chunk_size: int = 1024,
         memory_check: bool = True,
+        memory_limit_gb: float | None = None,
+        memory_margin: float = 0.25,
         lr: float = 2e-5,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -173,9 +192,10 @@ class PackedCausalLM(LightningModule):
 
     @property
     def contract(self) -> ModelContract:
-        """What the data may know of this model (its shape, hence its cost coefficients: an example of L tokens
-        costs `a * L + b * L^2` FLOPs, with which `MultipackSampler` balances ranks)."""
-        return ModelContract(shape=model_shape(self.model))
+        """What the data may know of this model: its shape, hence its cost coefficients (an example of L tokens
+        costs `a * L + b * L^2` FLOPs, with which `MultipackSampler` balances ranks), and `largest_fitting`, with
+        which a sampler's `auto` setting is sized."""
+        return ModelContract(shape=model_shape(self.model), largest_fitting=self.largest_fitting)
 
     def connect_data(self, data: DataContract) -> None:
         """What the data publishes: the token-id range checked at setup, the rows that name a failed step's
@@ -221,6 +241,57 @@ class PackedCausalLM(LightningModule):
     def on_train_start(self) -> None:
         if self.hparams.memory_check:
             self.memory_estimate = check_fit_memory(self, self._data.largest_step() if self._data else None)
+
+    def largest_fitting(
+        self,
+        step_of: Callable[[int], StepShape],
+        candidates: Sequence[int],
+        what: str = "max_tokens",
+        unit: str | None = None,
+    ) -> tuple[int | None, MemoryEstimate]:
+        """The largest step size whose predicted peak memory fits with `memory_margin` to spare: what
+        `max_tokens: auto` / `batch_size: auto` ask the model (through `contract.largest_fitting`) when the
+        training loader is built, with the model on its device and the trainer attached.
+
+        The probes run once (3 forwards, `memory_model`); each candidate's estimate is then arithmetic. Logs one
+        line (the choice, its predicted peak, the limit and margin, the next candidate's peak) and, on global rank
+        zero, `train/auto_<what>` at step 0.
+
+        Args:
+            step_of: a candidate -> the worst-case `StepShape` of a step that size (the collator's padding rule
+                applied to the longest example).
+            candidates: increasing values to choose from.
+            what: the setting being chosen, as the log line names it: `max_tokens`, `batch_size`.
+            unit: what the value counts, as the log line says it; default `tokens per pack` for `max_tokens`,
+                `examples per batch` for `batch_size`.
+
+        Returns:
+            (value, estimate): the largest candidate whose predicted peak is at most the limit (`memory_limit_gb`,
+            else the device's memory) x (1 - `memory_margin`), None when none is; with several ranks, the smallest
+            any rank chose. The estimate is that candidate's (the smallest candidate's when none fits).
+        """
+        candidates = increasing(candidates)
+        trainer = self.trainer
+        memory = memory_model(self, str(trainer.precision), padded=step_of(candidates[0]).padded)
+        choice = choose_largest_fitting(
+            memory, step_of, candidates, self.hparams.memory_margin, agree=self._smallest_over_ranks
+        )
+        unit = unit or AUTO_UNITS.get(what, "")
+        if choice.value is None:
+            log.warning(choice.describe(what, unit))
+            return None, choice.estimate
+        log.info(choice.describe(what, unit))
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics({f"train/auto_{what}": float(choice.value)}, step=0)
+        return choice.value, choice.estimate
+
+    def _smallest_over_ranks(self, index: int) -> int:
+        """The smallest of every rank's `index` (one all-gather with several ranks): what each process holds and
+        can take differs a little, but every rank must build the same plan."""
+        if self.trainer.world_size == 1:
+            return index
+        return int(self.trainer.strategy.all_gather(torch.tensor(index, device=self.device)).min())
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.hparams.compile:  # graphs compiled after the first step: shape changes that cost a recompile
@@ -479,6 +550,8 @@ def _check_settings(hp: Mapping[str, Any]) -> None:
     check_range("model.warmup_steps", hp["warmup_steps"], 0)
     check_range("model.min_lr_ratio", hp["min_lr_ratio"], 0, 1)
     check_range("model.vocab_size", hp["vocab_size"], 1)
+    check_range("model.memory_limit_gb", hp["memory_limit_gb"], 0, low_open=True)
+    check_range("model.memory_margin", hp["memory_margin"], 0, 1, high_open=True)
     for i, beta in enumerate(hp["betas"]):
         check_range(f"model.betas[{i}]", beta, 0, 1, high_open=True)
 

@@ -1,7 +1,10 @@
-"""Predict a training step's peak memory before the first step, and stop a fit that cannot fit.
+"""Predict a training step's peak memory before the first step, stop a fit that cannot fit, and choose the largest
+step that fits (`max_tokens: auto`).
 
-    estimate = estimate_step_memory(lm, step=data.largest_step())   # PackedCausalLM does this at train start
+    estimate = estimate_step_memory(lm, data.largest_step(), "32-true")   # PackedCausalLM does this at train start
     estimate.check()                                                      # MemoryError naming the knobs
+    memory = memory_model(lm, "32-true", padded=False)                    # the probes, once
+    choice = choose_largest_fitting(memory, step_of, range(1024, 65537, 1024), margin=0.25)   # arithmetic only
 
 The prediction adds, to what the process already holds (CPU: resident memory; CUDA: allocated memory, the weights
 included), AdamW's two states and the half-precision weight copies autocast makes under mixed precision, then the
@@ -12,12 +15,19 @@ short probes (64, 128, 256 tokens) records what autograd saves (`saved_tensors_h
 a + b * tokens + c * pairs (pairs: the attention cost, sum(L^2) packed, rows x width^2 padded), then scaled to the
 largest step.
 Gradient checkpointing keeps each layer's input plus one recomputed layer instead.
+
+The probes are what costs (3 forwards); `memory_model` runs them once and its `estimate(step)` is arithmetic, so
+choosing among many step sizes costs no more than one estimate. A step fits when its predicted peak is at most the
+limit: what the process holds now plus what the device can still give it, or `model.memory_limit_gb` where that is
+lower. Choosing a step size keeps a fraction of the limit free (`model.memory_margin`) for what the prediction does
+not model (validation, allocator fragmentation, other processes).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +58,7 @@ LOGIT_BYTES = 16
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """A step's predicted peak memory (bytes) by part, and what the device has."""
+    """A step's predicted peak memory (bytes) by part, what the device has, and the limit the peak must stay under."""
 
     step: StepShape
     device: str
@@ -62,6 +72,7 @@ class MemoryEstimate:
     available: int
     loss_impl: str
     gradient_checkpointing: bool
+    limit: int
 
     @property
     def peak(self) -> int:
@@ -70,17 +81,24 @@ class MemoryEstimate:
         return self.resident + self.optimizer + self.autocast_weights + max(backward_start, optimizer_step)
 
     @property
+    def capped(self) -> bool:
+        """Whether `model.memory_limit_gb` set the limit (below what the process holds plus what it can take)."""
+        return self.limit < self.resident + self.available
+
+    @property
     def fits(self) -> bool:
-        return self.peak - self.resident <= self.available
+        return self.peak <= self.limit
 
     def summary(self) -> str:
         parts = ", ".join(
             f"{name} {getattr(self, name) / GiB:.2f}"
             for name in ("resident", "optimizer", "autocast_weights", "activations", "logits", "gradients")
         )
+        cap = f"; model.memory_limit_gb limits the whole process to {self.limit / GiB:.2f} GiB" if self.capped else ""
         return (
             f"predicted peak memory {self.peak / GiB:.2f} GiB on {self.device} for the largest step "
             f"({self.step.describe()}): {parts} GiB; available beyond what is held now: {self.available / GiB:.2f} GiB"
+            + cap
         )
 
     def check(self) -> None:
@@ -97,12 +115,135 @@ class MemoryEstimate:
             knobs.append("model.loss_impl=chunked (the loss never builds the (tokens, vocabulary) logits)")
         elif self.logits > GiB // 4:
             knobs.append("a smaller model.loss_chunk_size")
+        if self.capped:
+            knobs.append(f"a higher model.memory_limit_gb (now {self.limit / GiB:.2f}), if the device has the room")
         raise StepMemoryError(
             f"this fit would run out of memory: {self.summary()}. The step needs "
-            f"{(self.peak - self.resident) / GiB:.2f} GiB more than the process holds. Lower it with: "
+            f"{(self.peak - self.resident) / GiB:.2f} GiB more than the process holds; the limit leaves room for "
+            f"{(self.limit - self.resident) / GiB:.2f} GiB. Lower it with: "
             + "; ".join(knobs)
             + ". Or skip this check: model.memory_check=false"
         )
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """What a step's peak memory is made of, measured once on the model (`memory_model`): the estimate of any step
+    of the same layout is then arithmetic, so searching over step sizes runs no forward.
+
+    Attributes:
+        device: where the model runs.
+        padded: the layout the activations were probed in (padded rows with a mask, or one packed row).
+        resident: bytes the process holds now (weights included).
+        available: bytes it can still take.
+        limit: bytes the whole process may hold at the step's peak: resident + available, or less under
+            `model.memory_limit_gb`.
+        optimizer: AdamW's two states.
+        autocast_weights: the half-precision weight copies of mixed precision.
+        gradients: one copy of every trainable parameter's gradient.
+        head_gradient: the LM head's gradient, alive at the start of the backward.
+        activation_fit: (a, b, c) of the probes: autograd saves ~= a + b * tokens + c * attention pairs bytes.
+        layers: decoder layers.
+        layer_input_bytes: bytes per token of one layer's input (what gradient checkpointing keeps per layer).
+        gradient_checkpointing: layers are recomputed in the backward.
+        loss_impl: `full` builds every token's logits; the others one `loss_chunk_size` chunk at a time.
+        loss_chunk_size: label tokens per loss chunk.
+        vocab_size: logits per token.
+    """
+
+    device: str
+    padded: bool
+    resident: int
+    available: int
+    limit: int
+    optimizer: int
+    autocast_weights: int
+    gradients: int
+    head_gradient: int
+    activation_fit: tuple[float, float, float]
+    layers: int
+    layer_input_bytes: int
+    gradient_checkpointing: bool
+    loss_impl: str
+    loss_chunk_size: int
+    vocab_size: int
+
+    def estimate(self, step: StepShape) -> MemoryEstimate:
+        """The predicted peak of training on `step` (see the module docstring), from the probes already run."""
+        if step.padded != self.padded:
+            layouts = {True: "padded rows", False: "a packed row"}
+            raise ValueError(
+                f"this memory model was probed on {layouts[self.padded]}, the step is {layouts[step.padded]}"
+            )
+        a, b, c = self.activation_fit
+        full = max(0.0, a + b * step.slot_tokens + c * step.attn_pairs)
+        if self.gradient_checkpointing:
+            activations = self.layers * step.slot_tokens * self.layer_input_bytes + 2 * full / self.layers
+        else:
+            activations = full + full / self.layers  # plus one layer's gradients in flight in the backward
+        rows = step.slot_tokens if self.loss_impl == "full" else min(step.slot_tokens, self.loss_chunk_size)
+        return MemoryEstimate(
+            step=step,
+            device=self.device,
+            resident=self.resident,
+            optimizer=self.optimizer,
+            autocast_weights=self.autocast_weights,
+            activations=int(activations),
+            logits=rows * self.vocab_size * LOGIT_BYTES,
+            head_gradient=self.head_gradient,
+            gradients=self.gradients,
+            available=self.available,
+            loss_impl=self.loss_impl,
+            gradient_checkpointing=self.gradient_checkpointing,
+            limit=self.limit,
+        )
+
+
+@dataclass(frozen=True)
+class FitChoice:
+    """The largest candidate step size that fits with a margin (`choose_largest_fitting`).
+
+    Attributes:
+        value: the chosen candidate, or None when not even the smallest fits.
+        candidate: the candidate `estimate` is of: the chosen one, or the smallest when none fits.
+        estimate: its predicted peak.
+        following: the next larger candidate and its estimate (the first that does not fit), None after the last
+            candidate or when none fits.
+        margin: the fraction of the limit kept free.
+    """
+
+    value: int | None
+    candidate: int
+    estimate: MemoryEstimate
+    following: tuple[int, MemoryEstimate] | None
+    margin: float
+
+    @property
+    def budget(self) -> float:
+        """The largest predicted peak a chosen step may have: the limit x (1 - margin)."""
+        return self.estimate.limit * (1 - self.margin)
+
+    def describe(self, what: str, unit: str = "") -> str:
+        """One line: the choice, its predicted peak against the limit and margin, and the next candidate's peak.
+
+        Args:
+            what: the setting chosen, e.g. `max_tokens`.
+            unit: what its value counts, e.g. `tokens per pack`.
+        """
+        amount = f"{self.candidate:,} {unit}".rstrip()
+        limit = f"a {self.estimate.limit / GiB:.2f} GiB limit with a {self.margin:.0%} margin"
+        peak = f"{self.estimate.peak / GiB:.2f} GiB"
+        if self.value is None:
+            return (
+                f"{what}: auto found no value that fits: the smallest candidate, {amount}, is predicted to peak at "
+                f"{peak}, over {self.budget / GiB:.2f} GiB ({limit})"
+            )
+        if self.following is None:
+            after = "the largest candidate"
+        else:
+            value, estimate = self.following
+            after = f"next candidate {value:,}: {estimate.peak / GiB:.2f} GiB"
+        return f"{what}: auto chose {amount}: predicted peak {peak} of {limit} ({after})"
 
 
 def available_bytes(device: torch.device) -> int:
@@ -157,7 +298,10 @@ def saved_activation_bytes(lm: Any, length: int, padded: bool) -> int:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in weights and tensor.device.type != "meta":
             seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
+        # Detached: a hook that returns a saved output itself ties it to its own graph node, a reference cycle
+        # that outlives the forward (each probe's activations leaked, 0.3 GiB at 256 tokens on SmolLM2).
+        # Holding the storage until the forward ends keeps two saved tensors from sharing an address.
+        return tensor.detach()
 
     batch = _probe_batch(lm, length, padded)
     was_training = lm.hf_model.training
@@ -178,8 +322,15 @@ def activation_model(lm: Any, padded: bool) -> np.ndarray:
     return np.linalg.lstsq(design, np.asarray(measured, dtype=np.float64), rcond=None)[0]
 
 
-def estimate_step_memory(lm: Any, step: StepShape, precision: str) -> MemoryEstimate:
-    """Predict the peak memory of `lm` training on `step` (see the module docstring)."""
+def memory_model(lm: Any, precision: str, padded: bool) -> MemoryModel:
+    """Measure what a step's peak memory depends on: the probes' activations (3 forwards) in the `padded` or
+    packed layout, the weights, gradients and optimizer states, what the process holds and the limit.
+
+    Args:
+        lm: a `PackedCausalLM` on its device (its `memory_limit_gb`, loss and checkpointing settings are read).
+        precision: the trainer's precision, e.g. `32-true`, `bf16-mixed`.
+        padded: probe padded rows with a mask (padded batch samplers) rather than one packed row.
+    """
     hf = lm.hf_model
     config = hf.config.get_text_config()
     device = lm.device
@@ -187,37 +338,87 @@ def estimate_step_memory(lm: Any, step: StepShape, precision: str) -> MemoryEsti
     grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
     mixed = "mixed" in str(precision)
     half = 2 if mixed else 0
-    autocast_weights = half * sum(p.numel() for p in lm.parameters() if p.ndim == 2)
-    a, b, c = activation_model(lm, step.padded)
-    full = max(0.0, a + b * step.slot_tokens + c * step.attn_pairs)
-    layers = config.num_hidden_layers
-    if lm.hparams.gradient_checkpointing:
-        hidden_bytes = 2 if mixed else next(hf.parameters()).element_size()
-        activations = layers * step.slot_tokens * config.hidden_size * hidden_bytes + 2 * full / layers
-    else:
-        activations = full + full / layers  # plus one layer's gradients in flight in the backward
-    rows = step.slot_tokens if lm.hparams.loss_impl == "full" else min(step.slot_tokens, lm.hparams.loss_chunk_size)
+    fit = activation_model(lm, padded)
     head = hf.get_output_embeddings().weight
-    head_gradient = head.numel() * head.element_size() if head.requires_grad else 0
-    return MemoryEstimate(
-        step=step,
+    resident, available = resident_bytes(device), available_bytes(device)
+    cap = lm.hparams.get("memory_limit_gb")
+    return MemoryModel(
         device=str(device),
-        resident=resident_bytes(device),
+        padded=padded,
+        resident=resident,
+        available=available,
+        limit=resident + available if cap is None else min(resident + available, int(cap * GiB)),
         optimizer=2 * grad_bytes,  # exp_avg, exp_avg_sq
-        autocast_weights=autocast_weights,
-        activations=int(activations),
-        logits=rows * config.vocab_size * LOGIT_BYTES,
-        head_gradient=head_gradient,
+        autocast_weights=half * sum(p.numel() for p in lm.parameters() if p.ndim == 2),
         gradients=grad_bytes,
-        available=available_bytes(device),
-        loss_impl=lm.hparams.loss_impl,
+        head_gradient=head.numel() * head.element_size() if head.requires_grad else 0,
+        activation_fit=tuple(float(x) for x in fit),
+        layers=config.num_hidden_layers,
+        layer_input_bytes=config.hidden_size * (2 if mixed else next(hf.parameters()).element_size()),
         gradient_checkpointing=bool(lm.hparams.gradient_checkpointing),
+        loss_impl=lm.hparams.loss_impl,
+        loss_chunk_size=lm.hparams.loss_chunk_size,
+        vocab_size=config.vocab_size,
     )
+
+
+def estimate_step_memory(lm: Any, step: StepShape, precision: str) -> MemoryEstimate:
+    """Predict the peak memory of `lm` training on `step` (see the module docstring)."""
+    return memory_model(lm, precision, step.padded).estimate(step)
+
+
+def increasing(candidates: Sequence[int]) -> list[int]:
+    """`candidates` as a list of ints, checked non-empty and strictly increasing (what a binary search needs)."""
+    values = [int(c) for c in candidates]
+    if not values or any(b <= a for a, b in zip(values, values[1:])):
+        raise ValueError(f"candidates must be a non-empty increasing sequence, got {values[:8]}")
+    return values
+
+
+def choose_largest_fitting(
+    memory: MemoryModel,
+    step_of: Callable[[int], StepShape],
+    candidates: Sequence[int],
+    margin: float,
+    agree: Callable[[int], int] | None = None,
+) -> FitChoice:
+    """The largest of `candidates` whose step's predicted peak is at most the limit x (1 - `margin`).
+
+    The predicted peak grows with the step, so a binary search finds it in ~log2(len(candidates)) estimates, each
+    arithmetic (`MemoryModel.estimate`).
+
+    Args:
+        memory: the model's `memory_model`, probed in the steps' layout.
+        step_of: a candidate -> the worst-case `StepShape` of a step that size.
+        candidates: increasing step sizes (token budgets, batch sizes).
+        margin: the fraction of the limit kept free, for what the estimate does not model.
+        agree: this process's choice (an index into `candidates`, -1 for none) -> the one to take; with several
+            ranks, the smallest over ranks, so that every rank builds the same plan.
+
+    Returns:
+        The choice: its `value` (None when none fits), estimate and the next candidate's.
+    """
+    candidates = increasing(candidates)
+    budget = memory.limit * (1 - margin)
+    low, high = 0, len(candidates)  # candidates[:low] fit, candidates[high:] do not
+    while low < high:
+        middle = (low + high) // 2
+        if memory.estimate(step_of(candidates[middle])).peak <= budget:
+            low = middle + 1
+        else:
+            high = middle
+    index = low - 1 if agree is None else agree(low - 1)
+    candidate = candidates[max(index, 0)]
+    following = None
+    if 0 <= index < len(candidates) - 1:
+        following = (candidates[index + 1], memory.estimate(step_of(candidates[index + 1])))
+    value = candidate if index >= 0 else None
+    return FitChoice(value, candidate, memory.estimate(step_of(candidate)), following, margin)
 
 
 def check_fit_memory(lm: Any, step: StepShape | None) -> MemoryEstimate | None:
     """At train start: predict the peak memory of the largest step (the data's `largest_step()`), log it, and
-    raise when it will not fit.
+    raise when it exceeds the limit (the device's memory, or `model.memory_limit_gb`; no margin here).
 
     Every rank reads the same plan, so every rank reaches the same verdict without a collective.
     """

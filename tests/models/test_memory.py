@@ -1,16 +1,33 @@
 """The memory estimate: the largest step read from a real sampler plan and collator, activations measured on the
-real model and extrapolated, and a clear refusal when a step cannot fit."""
+real model and extrapolated, a clear refusal when a step cannot fit, and the largest step that fits
+(`max_tokens: auto`)."""
 
 from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+import weakref
 
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import Logger
 
 from lit_packing.batch import COUNTS, INPUT_IDS
 from lit_packing.data.collate import PackedCollator, PaddedCollator, StepShape
+from lit_packing.errors import ConfigError
 from lit_packing.models import PackedCausalLM
-from lit_packing.models.memory import activation_model, estimate_step_memory, saved_activation_bytes
+from lit_packing.models.memory import (
+    GiB,
+    activation_model,
+    choose_largest_fitting,
+    estimate_step_memory,
+    memory_model,
+    saved_activation_bytes,
+)
 from lit_packing.samplers import BestFitPackingSampler, FixedLengthPackingSampler, RandomBatchSampler
 from tests.conftest import TINY_CONFIGS
 
@@ -77,6 +94,28 @@ def test_activation_model_extrapolates_to_a_longer_step(padded):
     assert b > 0
 
 
+def test_the_probes_free_what_they_saved(monkeypatch):
+    """Every activation a probe saved is freed with its forward (a pack hook that returned the saved tensor itself
+    tied a node's saved output to that node, a cycle that leaked each probe's activations)."""
+    torch.manual_seed(0)
+    lm = PackedCausalLM(model_config=dict(TINY_CONFIGS["llama"], vocab_size=1000), attn_backend="per_example")
+    saved = []
+    hooks = torch.autograd.graph.saved_tensors_hooks
+
+    def recording(pack, unpack):
+        def record(tensor):
+            saved.append(weakref.ref(tensor))
+            return pack(tensor)
+
+        return hooks(record, unpack)
+
+    monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks", recording)
+    saved_activation_bytes(lm, 64, padded=False)
+    weights = {p.untyped_storage().data_ptr() for p in lm.parameters()}
+    alive = [ref() for ref in saved if ref() is not None]
+    assert saved and not [t for t in alive if t.untyped_storage().data_ptr() not in weights]
+
+
 def test_gradient_checkpointing_and_chunked_loss_shrink_the_prediction():
     config = dict(TINY_CONFIGS["llama"], vocab_size=32000, num_hidden_layers=8)
     step = StepShape(8192, 8192 * 512, 1, 8192)
@@ -105,3 +144,162 @@ def test_a_step_that_cannot_fit_is_refused_with_the_knobs():
     assert "50,000,000 tokens in one packed row" in message
     for knob in ("data.sampler.init_args.max_tokens", "model.gradient_checkpointing=true", "model.loss_impl=chunked"):
         assert knob in message
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# max_tokens: auto
+
+LONGEST = 512
+CANDIDATES = [2**k for k in range(10, 21)]  # 1,024 .. 1,048,576 tokens: each step ~2x the memory of the one before
+CHOICE_LINE = re.compile(
+    r"max_tokens: auto chose ([\d,]+) tokens per pack: predicted peak [\d.]+ GiB of a [\d.]+ GiB limit with a 25% "
+    r"margin \(next candidate ([\d,]+): [\d.]+ GiB\)"
+)
+
+
+def pack_of(tokens: int) -> StepShape:
+    """The worst-case packed step of `tokens`: one row, every example as long as the longest."""
+    return StepShape(tokens, tokens * min(tokens, LONGEST), 1, tokens)
+
+
+class Recorder(Logger):
+    """A Lightning logger that keeps what it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[tuple[int | None, dict]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.metrics.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
+@pytest.fixture
+def tiny_lm():
+    torch.manual_seed(0)
+    return PackedCausalLM(model_config=dict(TINY_CONFIGS["llama"], vocab_size=1000), attn_backend="per_example")
+
+
+@pytest.fixture
+def model_lines():
+    """The lines `PackedCausalLM` logs (the toolkit's logger may not propagate to pytest's)."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("lit_packing.models.causal_lm")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def attach(lm: PackedCausalLM) -> Recorder:
+    """Attach a CPU trainer, as `configure_optimizers` runs under one; returns its logger."""
+    recorder = Recorder()
+    lm.trainer = Trainer(accelerator="cpu", devices=1, logger=recorder, enable_progress_bar=False)
+    return recorder
+
+
+def test_the_choice_is_the_largest_within_the_margin_and_monotone_in_the_limit(tiny_lm):
+    memory = memory_model(tiny_lm, "32-true", padded=False)
+    peaks = [memory.estimate(pack_of(c)).peak for c in CANDIDATES]
+    assert peaks == sorted(peaks)
+    # limits from below the smallest step's need to above the largest's, including each boundary exactly
+    limits = sorted({*(p / 0.75 for p in peaks), *np.linspace(peaks[0] * 0.9, peaks[-1] * 1.5, 40)})
+    chosen = []
+    for limit in limits:
+        choice = choose_largest_fitting(dataclasses.replace(memory, limit=int(limit)), pack_of, CANDIDATES, 0.25)
+        budget = int(limit) * 0.75
+        fitting = [c for c, p in zip(CANDIDATES, peaks) if p <= budget]
+        assert choice.value == (fitting[-1] if fitting else None)  # the binary search finds the scan's answer
+        if choice.value is not None:
+            assert choice.estimate.peak <= budget and choice.estimate.step == pack_of(choice.value)
+            if choice.following is not None:
+                value, estimate = choice.following
+                assert value == CANDIDATES[CANDIDATES.index(choice.value) + 1] and estimate.peak > budget
+            else:
+                assert choice.value == CANDIDATES[-1]
+        else:
+            assert choice.candidate == CANDIDATES[0] and choice.estimate.peak > budget
+        chosen.append(-1 if choice.value is None else choice.value)
+    assert chosen == sorted(chosen) and chosen[0] == -1 and chosen[-1] == CANDIDATES[-1]
+    # a larger margin never chooses a larger step; another rank's smaller choice is taken (`agree`)
+    middle = dataclasses.replace(memory, limit=math.ceil(peaks[6] / 0.75))
+    margins = [choose_largest_fitting(middle, pack_of, CANDIDATES, m).value or 0 for m in (0.0, 0.25, 0.5, 0.9)]
+    assert margins == sorted(margins, reverse=True) and margins[1] == CANDIDATES[6]
+    assert choose_largest_fitting(middle, pack_of, CANDIDATES, 0.25, agree=lambda i: i - 2).value == CANDIDATES[4]
+    assert choose_largest_fitting(middle, pack_of, CANDIDATES, 0.25, agree=lambda i: -1).value is None
+
+
+def test_largest_fitting_probes_once_logs_the_choice_and_respects_memory_limit_gb(tiny_lm, model_lines):
+    forwards = []
+    tiny_lm.hf_model.base_model.register_forward_hook(lambda *args: forwards.append(1))
+    recorder = attach(tiny_lm)
+    memory = memory_model(tiny_lm, "32-true", padded=False)
+    peaks = [memory.estimate(pack_of(c)).peak for c in CANDIDATES]
+    choices = []
+    for target in (7, 5, 2):  # each limit halfway between two candidates' needs: the process's drift cannot matter
+        tiny_lm.hparams.memory_limit_gb = (peaks[target] + peaks[target + 1]) / 2 / 0.75 / GiB
+        forwards.clear()
+        value, estimate = tiny_lm.contract.largest_fitting(pack_of, CANDIDATES, what="max_tokens")
+        assert len(forwards) == 3  # the three probes, once for every candidate
+        assert value == CANDIDATES[target] and estimate.step == pack_of(value)
+        assert estimate.peak <= tiny_lm.hparams.memory_limit_gb * GiB * 0.75 and estimate.capped
+        match = CHOICE_LINE.fullmatch(model_lines[-1])
+        assert match and match[1] == f"{value:,}" and match[2] == f"{CANDIDATES[target + 1]:,}"
+        assert recorder.metrics[-1] == (0, {"train/auto_max_tokens": float(value)})
+        choices.append(value)
+    assert choices == sorted(choices, reverse=True)  # a lower memory_limit_gb, a smaller step
+
+
+def test_largest_fitting_returns_none_when_nothing_fits(tiny_lm, model_lines):
+    tiny_lm.hparams.memory_limit_gb = 0.01  # less than the process holds
+    recorder = attach(tiny_lm)
+    value, estimate = tiny_lm.largest_fitting(pack_of, CANDIDATES, what="batch_size")  # the data side's call
+    assert value is None and estimate.step == pack_of(CANDIDATES[0]) and not estimate.fits
+    assert model_lines[-1].startswith(
+        "batch_size: auto found no value that fits: the smallest candidate, 1,024 examples per batch, is predicted"
+    )
+    assert not recorder.metrics
+    with pytest.raises(ValueError, match="increasing"):
+        tiny_lm.largest_fitting(pack_of, [2048, 1024])
+
+
+def test_memory_limit_gb_caps_the_memory_check(tiny_lm):
+    step = pack_of(65536)
+    free = estimate_step_memory(tiny_lm, step, "32-true")
+    assert free.fits and not free.capped and free.limit == free.resident + free.available
+    tiny_lm.hparams.memory_limit_gb = 1e6  # more than the device has: the device's memory stays the limit
+    assert not estimate_step_memory(tiny_lm, step, "32-true").capped
+    tiny_lm.hparams.memory_limit_gb = free.peak * 0.9 / GiB
+    capped = estimate_step_memory(tiny_lm, step, "32-true")
+    assert capped.capped and not capped.fits
+    with pytest.raises(MemoryError, match=r"a higher model\.memory_limit_gb \(now [\d.]+\)"):
+        capped.check()
+
+
+@pytest.mark.parametrize(
+    "setting, value, problem",
+    [
+        ("memory_limit_gb", 0, "model.memory_limit_gb: must be > 0"),
+        ("memory_limit_gb", -2.0, "model.memory_limit_gb: must be > 0"),
+        ("memory_limit_gb", math.inf, "model.memory_limit_gb: must be a finite number"),
+        ("memory_margin", 1.0, "model.memory_margin: must be < 1"),
+        ("memory_margin", -0.1, "model.memory_margin: must be >= 0"),
+    ],
+)
+def test_memory_settings_are_range_checked(setting, value, problem):
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        PackedCausalLM(model_config=dict(TINY_CONFIGS["llama"], vocab_size=1000), **{setting: value})

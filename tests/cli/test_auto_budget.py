@@ -1,0 +1,47 @@
+"""`max_tokens: auto` through the real CLI (a tiny Llama, Chatterbot, this CPU's RAM as the device): it picks a budget
+that trains, and a smaller one under a lower memory limit."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY
+
+ROOT = Path(__file__).parents[2]
+CHOSE = re.compile(r"max_tokens: auto chose ([\d,]+) tokens per pack: predicted peak ([\d.]+) GiB")
+
+
+def fit(tmp_path: Path, limit_gb: float) -> tuple[int, float, str]:
+    args = [
+        sys.executable, str(ROOT / "main.py"), "fit", "--config", "quickstart",
+        f"--model.model_config={json.dumps(TINY)}",
+        "--data.source=lit_packing.data.Chatterbot",
+        f"--data.cache_dir={tmp_path / 'cache'}",
+        "--data.sampler.init_args.max_tokens=auto",
+        "--data.sampler.init_args.max_tokens_cap=8192",
+        f"--model.memory_limit_gb={limit_gb}",
+        "--trainer.max_steps=1", "--trainer.limit_val_batches=0", "--trainer.logger=false",
+        "--trainer.enable_checkpointing=false", f"--trainer.default_root_dir={tmp_path}",
+    ]  # fmt: skip
+    done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    chose = CHOSE.search(done.stdout)
+    assert chose, done.stdout[-3000:]
+    assert "step 1/1" in done.stdout  # the chosen budget trained
+    return int(chose.group(1).replace(",", "")), float(chose.group(2)), done.stdout
+
+
+@pytest.mark.slow
+def test_auto_picks_a_budget_that_trains_and_a_smaller_one_under_a_lower_limit(tmp_path):
+    budget, peak, _ = fit(tmp_path, limit_gb=16.0)
+    assert budget == 8192  # the cap: the device holds more than the cap asks
+    lower = (peak - 0.05) / 0.75  # the cap's predicted peak no longer fits with the 25% margin
+    smaller, smaller_peak, out = fit(tmp_path, limit_gb=round(lower, 3))
+    assert 1024 <= smaller < budget, out[-2000:]
+    assert smaller_peak <= round(lower, 3) * 0.75 + 1e-6
