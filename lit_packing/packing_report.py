@@ -11,6 +11,11 @@ and slot tokens, padding ratio, fill, examples per step, attention cost (sum L^2
 and planning time, and `packing_report.png` (a histogram of example lengths and of pack fill). A second table
 shows, at 2, 8 and 64 data-parallel ranks, the straggler factor (`straggler_factor`: slowest rank's compute over the
 mean rank's, summed over optimizer steps) of best-fit packs dealt round-robin vs `MultipackSampler`.
+
+For a stream (`data.streaming`), which has no epoch to plan ahead, the report reads the stream's first
+`--stream_examples` examples (tokenized as training would, in its order) and shows the fill of packing them window by
+window with the configured sampler, at the configured `data.buffer_size` and over a curve of buffer sizes, against
+one plan of all of them (`lit_packing.samplers.windows.windowed_fill`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from lit_packing.batch import COUNTS
 from lit_packing.cli import cli_main
 from lit_packing.cost import SMOLLM2_135M_SHAPE, flop_coefficients
 from lit_packing.data import PackingDataModule
+from lit_packing.data.stream import Mixer, MixerState
 from lit_packing.samplers import (
     BestFitPackingSampler,
     FixedLengthPackingSampler,
@@ -41,6 +47,7 @@ from lit_packing.samplers import (
     pack_costs,
     straggler_factor,
 )
+from lit_packing.samplers.windows import BUFFER_SIZES, windowed_fill
 
 STRAGGLER_RANKS = (2, 8, 64)
 PADDING_BASELINE = "padding (random batches)"
@@ -241,6 +248,33 @@ def configured_data(config: str | Path | list[str | Path], overrides: list[str])
     return data, cli.trainer.accumulate_grad_batches
 
 
+def stream_lengths(data: PackingDataModule, examples: int) -> np.ndarray:
+    """(n,) token counts of the stream's first `examples` examples (or all it has), in its order, tokenized as
+    training tokenizes them."""
+    mixer = Mixer(data.stream, epoch=0, state=MixerState.start(len(data.stream.members)))
+    lengths: list[np.ndarray] = []
+    while sum(map(len, lengths)) < examples and (window := mixer.window(len(lengths))) is not None:
+        lengths.append(window.lengths)
+    return np.concatenate(lengths)[:examples] if lengths else np.zeros(0, dtype=np.int64)
+
+
+def render_windows(data: PackingDataModule, lengths: np.ndarray, title: str) -> Table | str:
+    """Windowed vs offline fill of the configured sampler on `lengths`: the configured buffer size, then the curve."""
+    probe = data.sampler(np.zeros(0, dtype=np.int64))
+    if not isinstance(getattr(probe, "max_tokens", None), int):
+        return f"{title}: {type(probe).__name__} has no token budget, so packing in windows changes no fill"
+    table = Table(title=title)
+    for column in ("buffer_size", "windows", "packs", "fill", "offline best-fit fill", "gap", "ms / window"):
+        table.add_column(column, justify="right")
+    sizes = sorted({data.buffer_size, *(b for b in BUFFER_SIZES if b < len(lengths))})
+    for size in sizes:
+        out = windowed_fill(lengths, size, data.sampler, seed=data.seed)
+        name = f"{size:,} (configured)" if size == data.buffer_size else f"{size:,}"
+        table.add_row(name, f"{out['windows']:,}", f"{out['packs']:,}", f"{out['fill']:.4f}",
+                      f"{out['offline_fill']:.4f}", f"{100 * out['gap']:.2f}%", f"{out['window_ms']:.2f}")  # fmt: skip
+    return table
+
+
 def main(argv: list[str] | None = None) -> list[PlanStats]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--config", action="append", required=True, help="a config file or name, as main.py fit "
@@ -249,8 +283,17 @@ def main(argv: list[str] | None = None) -> list[PlanStats]:
     parser.add_argument("--max_tokens", type=int, default=None, help="token budget (default: the config's)")
     parser.add_argument("--accumulate", type=int, default=None, help="micro-steps per optimizer step (stragglers)")
     parser.add_argument("--out", type=Path, default=Path("packing_report.png"), help="where the PNG goes")
+    parser.add_argument("--stream_examples", type=int, default=20_000, help="a stream's examples to read")
     args, overrides = parser.parse_known_args(argv)
     data, accumulate = configured_data(args.config, overrides)
+    if data.stream is not None:
+        lengths = stream_lengths(data, args.stream_examples)
+        title = (
+            f"{' + '.join(args.config)}: fill of the stream's first {len(lengths):,} examples packed in windows by "
+            f"{type(data.sampler(np.zeros(0, dtype=np.int64))).__name__}, against one plan of all of them"
+        )
+        Console(width=max(Console().width, 150)).print(render_windows(data, lengths, title))
+        return []
     configured = configured_stats(data, accumulate)  # builds `data.train_sampler`
     lengths = data.train_lengths
     max_tokens = args.max_tokens or getattr(data.train_sampler, "max_tokens", None) or data.max_length

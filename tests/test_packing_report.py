@@ -95,3 +95,20 @@ def test_report_equals_what_a_fit_logs(tmp_path, monkeypatch):
     assert configured.slot_tokens == monitor.totals["slot_tokens"]
     padding = (monitor.totals["slot_tokens"] - monitor.totals["real_tokens"]) / monitor.totals["slot_tokens"]
     assert configured.padding_ratio == pytest.approx(padding, rel=1e-12)  # the same ints, 1 - r/s vs (s - r)/s
+
+
+def test_report_on_a_stream_shows_windowed_fill_against_offline(tmp_path, capsys):
+    """A streaming config: the stream's first examples packed window by window, the configured buffer size marked,
+    every row's fill at most offline best fit's, and the largest window within a few tenths of a percent of it."""
+    overrides = ["--data.buffer_size=100", f"--data.cache_dir={tmp_path}", "--data.val_split=4"]
+    assert main(["--config", "streaming", "--stream_examples", "1200", *overrides, *TINY_MODEL]) == []
+    printed = capsys.readouterr().out
+    title = " ".join(line.strip() for line in printed.splitlines() if not line.startswith(("│", "┃", "┏", "┡", "└")))
+    assert "fill of the stream's first 1,200 examples packed in windows by BestFitPackingSampler" in title
+    rows = [line.split("│")[1:-1] for line in printed.splitlines() if line.startswith("│")]
+    by_size = {cells[0].strip(): [c.strip() for c in cells] for cells in rows}
+    assert "100 (configured)" in by_size and "64" in by_size and "1,000" in by_size
+    fills = {size: float(cells[3]) for size, cells in by_size.items()}
+    offline = float(by_size["64"][4])
+    assert all(fill <= offline + 1e-9 for fill in fills.values())
+    assert fills["64"] < fills["1,000"] <= offline

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lit_packing.bench.stream_fill import windowed_fill
+from lit_packing.samplers.windows import windowed_fill
 from lit_packing.samplers import BestFitPackingSampler, MultipackSampler
 
 MAX_TOKENS = 8192
