@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lit_packing.samplers.windows import windowed_fill
 from lit_packing.samplers import BestFitPackingSampler, MultipackSampler
+from lit_packing.samplers.windows import windowed_fill
 
 MAX_TOKENS = 8192
 
