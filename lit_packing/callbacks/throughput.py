@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lit_packing._compat import should_update_logs
-from lit_packing.batch import COUNTS, LENGTHS, SOURCE_TOKENS
+from lit_packing.batch import COUNTS, LENGTHS, SOURCE_TOKENS, WINDOW
 from lit_packing.contract import DataContract
 from lit_packing.cost import ModelShape, hardware_flops, model_flops, model_shape
 
@@ -96,6 +96,7 @@ class TokenThroughputMonitor(pl.Callback):
         self.window = window
         self.summary = summary
         self.totals: Counter[str] = Counter()
+        self.window_fills: dict[tuple[int, int], float] = {}  # a stream's (epoch, window) trained here: its fill
         self.train_seconds = 0.0
         self._recent: deque[tuple[float, Counter[str]]] = deque([(0.0, Counter())], maxlen=window + 1)
         self._shape: ModelShape | None = None
@@ -138,6 +139,8 @@ class TokenThroughputMonitor(pl.Callback):
         now = time.perf_counter()
         counts = Counter(batch[COUNTS])
         counts.update({f"source_tokens_{i}": tokens for i, tokens in enumerate(batch.get(SOURCE_TOKENS, ()))})
+        if batch.get(WINDOW, {}).get("fill") is not None:
+            self.window_fills[(trainer.current_epoch, batch[WINDOW]["number"])] = batch[WINDOW]["fill"]
         if self._shape:
             counts["flops"] = model_flops(self._shape, batch[COUNTS], batch[LENGTHS])
             counts["hardware_flops"] = hardware_flops(self._shape, batch[COUNTS])
@@ -210,10 +213,13 @@ class TokenThroughputMonitor(pl.Callback):
         sources = self._data.sources if self._data is not None else ()
         if not sources:
             return []
+        fills = list(self.window_fills.values())
+        mean = sum(fills) / max(len(fills), 1)
+        rows = [(_label("window fill (mean)", launch), f"{mean:.4f} over {len(fills):,} windows")] if fills else []
         names = [f"source_tokens_{i}" for i in range(len(sources))]
         tokens = _sum_over_ranks(trainer, pl_module, self.totals, names)
         total, weights = max(sum(tokens.values()), 1.0), sum(w for _, w in sources)
-        return [
+        return rows + [
             (_label(f"share of real tokens: {name}", launch), f"{tokens[key] / total:.3f} (weight {w / weights:.3f})")
             for (name, w), key in zip(sources, names)
         ]

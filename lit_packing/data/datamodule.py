@@ -53,7 +53,8 @@ from lit_packing.data.tokenize import (
     tokenize_dataset,
 )
 from lit_packing.errors import ConfigError, DataError, check_range
-from lit_packing.samplers import AUTO, BestFitPackingSampler, PlannedBatchSampler, RunContext, worst_pack
+from lit_packing.samplers import AUTO, BestFitPackingSampler, PlannedBatchSampler, RunContext
+from lit_packing.samplers import worst_pack as worst_pack_of
 from lit_packing.text import count, dividing_fix
 
 log = logging.getLogger(__name__)
@@ -258,6 +259,7 @@ class PackingDataModule(LightningDataModule):
         self._prepared = False  # `prepare_data` ran in this process (and announced the data)
         self.model_contract: ModelContract | None = None  # what the model publishes (`connect_model`)
         self._auto_chosen: dict[str, int] = {}  # what a sampler's `auto` setting was sized to
+        self._accumulate_setting: int | None = None  # `trainer.accumulate_grad_batches` as configured
 
     # ------------------------------------------------------------ run-time values (linked to the model by the CLI)
 
@@ -310,6 +312,8 @@ class PackingDataModule(LightningDataModule):
         """Tokenize (from the cache), split, and build `train_dataset`, `val_dataset` and `report` once; for a fit,
         set the trainer's gradient accumulation from the global batch (`packs_per_step` / `tokens_per_step`)."""
         if self.trainer is not None and stage in (None, "fit"):
+            if self._accumulate_setting is None:
+                self._accumulate_setting = self.trainer.accumulate_grad_batches
             self._apply_global_batch()
         if self.train_dataset is not None or self.stream is not None:
             return
@@ -413,9 +417,9 @@ class PackingDataModule(LightningDataModule):
             count(packs, "pack"), setting, count(world, "rank"), accumulate,
         )  # fmt: skip
 
-    def _keep_global_batch(self, position: dict[str, Any]) -> None:
-        """On a resume: keep the checkpoint's global batch when only the world size changed (the run did not set one,
-        and `trainer.accumulate_grad_batches` is the one it was saved with); say when a set one changes it."""
+    def _keep_global_batch(self, position: dict[str, Any], setting: int) -> None:
+        """On a resume: keep the checkpoint's global batch unless the run changes it (`data.packs_per_step`, or a
+        `trainer.accumulate_grad_batches` setting other than the saved launch's `setting`); say when it changes."""
         trainer = self.trainer
         saved_world, saved_accumulate = int(position["world_size"]), int(position["accumulate"])
         saved = saved_world * saved_accumulate
@@ -428,8 +432,8 @@ class PackingDataModule(LightningDataModule):
                     "trained are formed into steps of the new size", count(given[0], "pack"), given[1], saved,
                 )  # fmt: skip
             return
-        if world == saved_world or accumulate != saved_accumulate:
-            return  # the same layout, or a global batch the user changed (the sampler says so)
+        if accumulate != int(setting) or world * accumulate == saved:
+            return  # a global batch the user changed (the sampler says so), or the checkpoint's already
         if saved % world:
             raise ConfigError(
                 "trainer.devices",
@@ -469,9 +473,9 @@ class PackingDataModule(LightningDataModule):
         probe = self.sampler(np.zeros(0, dtype=np.int64))
         budget, size = getattr(probe, "max_tokens", None), getattr(probe, "batch_size", None)
         if isinstance(budget, int):
-            pack = worst_pack(0, min(self.max_length, budget), budget)
+            pack = worst_pack_of(0, min(self.max_length, budget), budget)
         elif isinstance(size, int):
-            pack = worst_pack(size, self.max_length)
+            pack = worst_pack_of(size, self.max_length)
         else:  # `auto`: sized by the estimate itself
             return None
         return self.collator(self.pad_token_id).plan_slots(pack).largest()
@@ -559,15 +563,22 @@ class PackingDataModule(LightningDataModule):
             position = self.train_sampler.state_dict(steps_done=trained_batches(self.trainer))
         else:
             position = self.train_sampler.state_dict()
-        return {"train_sampler": position, "global_step": self.trainer.global_step}
+        return {
+            "train_sampler": position,
+            "global_step": self.trainer.global_step,
+            "accumulate_setting": self._accumulate_setting,  # the config's, before a global batch derived another
+            "auto_chosen": dict(self._auto_chosen),  # what `auto` settings were sized to: the plan depends on it
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore `state_dict()`: onto the training sampler now, or when `train_dataloader` builds it (on a resume,
         Lightning calls this before it asks for any loader)."""
         if state_dict.get("train_sampler") is None:
             return
+        self._auto_chosen.update(state_dict.get("auto_chosen", {}))  # the same plan: `auto` is not sized again
         if self.trainer is not None and "world_size" in state_dict["train_sampler"]:
-            self._keep_global_batch(state_dict["train_sampler"])
+            saved = state_dict["train_sampler"]
+            self._keep_global_batch(saved, state_dict.get("accumulate_setting") or saved["accumulate"])
         self._position = state_dict
         if self.train_sampler is not None:
             self._restore_position()
@@ -668,6 +679,12 @@ class PackingDataModule(LightningDataModule):
             if not isinstance(sampler, PlannedBatchSampler):
                 raise ConfigError(
                     "data.sampler", f"{sampler!r} has no plan to stream with", "use a lit_packing sampler"
+                )
+            if sampler.drop_last:
+                raise ConfigError(
+                    "data.sampler.init_args.drop_last",
+                    "would drop examples of every window of a stream",
+                    "leave it false with data.streaming (only the epoch's last step is completed with empty packs)",
                 )
             return sampler
 
@@ -780,6 +797,13 @@ class PackingDataModule(LightningDataModule):
         if chosen is not None and chosen >= candidates[0]:  # chosen once (a stream asks for every window)
             return chosen
         collator = self.collator(self.pad_token_id)
+        if self.stream is not None:  # every window of a stream must fit: size it for examples of max_length
+            longest, budgeted = self.max_length, setting != "batch_size"
+            candidates = [c for c in candidates if not budgeted or c >= longest] or candidates[-1:]
+
+            def worst_pack(v: int):
+                return worst_pack_of(0 if budgeted else v, longest, v if budgeted else None)
+
         value, _ = self.model_contract.largest_fitting(
             lambda v: collator.plan_slots(worst_pack(v)).largest(), candidates, what=setting
         )

@@ -64,6 +64,11 @@ _SHARD_BITS, _ROW_BITS = 16, 32  # an example's id: (source, shard, row) in one 
 
 def example_id(source: int, shard: int, row: int) -> int:
     """One int64 naming an example of a stream: its source, its shard (in the source's sorted order) and its row."""
+    if shard >= 2**_SHARD_BITS or row >= 2**_ROW_BITS:
+        raise DataError(
+            f"shard {shard:,}, row {row:,}: a stream names at most {2**_SHARD_BITS:,} shards of a source and "
+            f"{2**_ROW_BITS:,} rows of a shard; merge the shards, or split the source into a Mixture"
+        )
     return (source << (_SHARD_BITS + _ROW_BITS)) | (shard << _ROW_BITS) | row
 
 
@@ -293,6 +298,7 @@ class Mixer:
         self._chunks: list[Iterator[Chunk] | None] = [None] * n
         self._open: list[Chunk | None] = [None] * n
         self._next: list[int] = [0] * n  # position in the open chunk's kept examples
+        self._took = [read > 0 for read in state.read]  # whether this pass of each source gave an example
         self.report = stream.report  # grows as chunks are read (the data module's, shown in the fit summary)
         self.waited = 0.0  # seconds spent waiting for tokenized chunks
         self.tokenized = [0, 0.0]  # rows tokenized and the workers' seconds for them
@@ -344,15 +350,22 @@ class Mixer:
                 self._open[i] = None
                 if self._pull(i):
                     continue
+                if not self._took[i]:
+                    raise DataError(
+                        f"{self.stream.members[i].source!r} (stream source {self.stream.members[i].name!r}) has no "
+                        f"example to train in a whole pass: all its rows are held out for validation (data.val_split), "
+                        f"bad (data.on_bad_row) or dropped (data.overlong); check them, or leave it out of the Mixture"
+                    )
                 state.done[i] = True
                 if on_exhausted == "stop" or all(state.done):
                     self.finished = True
                     return None
                 state.passes[i], state.read[i] = state.passes[i] + 1, 0  # `repeat`: its next pass
-                self._chunks[i] = None
+                self._chunks[i], self._took[i] = None, False
                 continue
             k = self._next[i]
             self._next[i] += 1
+            self._took[i] = True
             state.read[i] = chunk.number * self.stream.buffer_size + int(chunk.row_in_chunk[k]) + 1
             state.taken[i] += float(len(chunk.tokens[k])) if self.stream.weight_by == "tokens" else 1.0
             return i, chunk, k
@@ -588,6 +601,8 @@ class StreamLoader:
         """
         if steps_done is None:
             return {}
+        if self._resume is not None and not self._records:  # restored, nothing yielded yet: the same position
+            return self._resume
         identity = self.stream.identity()
         world_size, accumulate = self.layout()
         base = {"epoch": self.epoch, "identity": identity, "world_size": world_size, "accumulate": accumulate}
@@ -597,7 +612,9 @@ class StreamLoader:
         trained = steps_done
         for record in self._records:
             if record.start <= trained < record.start + record.micro_batches:
-                inside = min(trained - record.start, len(record.sampler))
+                inside = trained - record.start
+                if inside > len(record.sampler):  # inside the empty packs that complete the epoch's last step: its
+                    inside = inside // self.layout()[1] * self.layout()[1]  # gradients were not applied, redo it
                 return {**base, "window": record.number, "steps_before": record.steps_before,
                         "sampler": record.sampler.state_dict(steps_done=inside),
                         "mixer": record.state_start.as_dict(), "carried": record.carried_start.as_dict()}  # fmt: skip

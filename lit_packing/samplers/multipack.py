@@ -163,8 +163,9 @@ class MultipackSampler(TokenBudgetSampler):
         group = world_size * accumulate
         rng = np.random.default_rng([plan.deal_seed, len(pack_ids), group])
         costs = pack_costs(plan, self.cost_coefficients)[pack_ids]
-        if self.drop_last and len(pack_ids) % world_size:
-            keep = np.sort(rng.permutation(len(pack_ids))[: len(pack_ids) - len(pack_ids) % world_size])
+        if self.drop_last and len(pack_ids) % world_size:  # its own stream: the steps' order does not move with it
+            dropping = np.random.default_rng([plan.deal_seed, len(pack_ids), group, world_size])
+            keep = np.sort(dropping.permutation(len(pack_ids))[: len(pack_ids) - len(pack_ids) % world_size])
             pack_ids, costs = pack_ids[keep], costs[keep]
         order = rng.permutation(len(pack_ids)) if self.shuffle else np.arange(len(pack_ids))  # ties: random
         ordered = pack_ids[order[np.argsort(-costs[order], kind="stable")]]

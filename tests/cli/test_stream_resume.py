@@ -40,6 +40,7 @@ def reference(tmp_path_factory):
     (tmp / "recorder.py").write_text(RECORDER)
     out = fit(tmp, stream_args(tmp, "one", 1, "--data.packs_per_step=2"))
     assert "streamed in windows of 48 examples" in out
+    assert "window fill (mean)" in out and "share of real tokens: chatterbot" in out  # the summary's stream rows
     return tmp, losses(tmp, "one"), weights(tmp / "one" / f"step={MAX_STEPS}.ckpt")
 
 

@@ -233,3 +233,22 @@ def test_a_resume_that_cannot_keep_the_global_batch_is_refused():
         "split evenly over 3 ranks; run on a number of ranks that divides 2 (1, 2), or set data.packs_per_step to a "
         "multiple of 3 (e.g. 3 or 6) to change the global batch"
     )
+
+
+@pytest.mark.parametrize(
+    "saved, setting, configured, expected",
+    [
+        ((1, 2), 1, 1, 2),  # 2 x 1 resumed on 1 (kept as 1 x 2), resumed again there: still 1 x 2
+        ((2, 1), 1, 1, 2),  # 2 x 1 resumed on 1 rank: 1 x 2
+        ((1, 2), 1, 4, 4),  # the setting changed from 1 to 4: the user's new global batch
+        ((1, 2), 2, 2, 2),  # nothing to change
+    ],
+)
+def test_a_resume_keeps_the_global_batch_across_resumes(saved, setting, configured, expected):
+    """The checkpoint records the configured `accumulate_grad_batches`, so a second resume still tells a derived
+    accumulation from one the user changed (a real, not launched, one-process trainer)."""
+    data = PackingDataModule()
+    data.trainer = Trainer(accelerator="cpu", devices=1, accumulate_grad_batches=configured, logger=False)
+    position = {"world_size": saved[0], "accumulate": saved[1]}
+    data.load_state_dict({"train_sampler": position, "accumulate_setting": setting})
+    assert data.trainer.accumulate_grad_batches == expected
