@@ -602,8 +602,8 @@ class JsonLinesShard(Shard):
 
 
 @dataclass(frozen=True)
-class ParquetShard(Shard):
-    """A Parquet file read by row group: skipping to a row passes whole row groups by their metadata, then slices.
+class FileShard(Shard):
+    """A columnar file (Parquet, Arrow) whose rows are its columns' values, renamed by `field_map`.
 
     Attributes:
         path: the file.
@@ -612,6 +612,11 @@ class ParquetShard(Shard):
 
     path: str
     field_map: dict[str, str] | None
+
+
+@dataclass(frozen=True)
+class ParquetShard(FileShard):
+    """A Parquet file read by row group: skipping to a row passes whole row groups by their metadata, then slices."""
 
     def read(self, start: int = 0) -> Iterator[dict]:
         skip = _check_start(start)
@@ -647,17 +652,9 @@ def _arrow_rows(path: str) -> int:
 
 
 @dataclass(frozen=True)
-class ArrowShard(Shard):
+class ArrowShard(FileShard):
     """An Arrow file (`datasets`' own format: a `save_to_disk` folder's `data-*.arrow`), memory-mapped and read by
-    record batch; skipping to a row passes whole batches without reading them.
-
-    Attributes:
-        path: the file.
-        field_map: renames columns to the shape's.
-    """
-
-    path: str
-    field_map: dict[str, str] | None
+    record batch; skipping to a row passes whole batches without reading them."""
 
     def read(self, start: int = 0) -> Iterator[dict]:
         skip = _check_start(start)
@@ -807,6 +804,16 @@ class HFDataset(Source):
         state = json.loads((folder / "state.json").read_text())
         return [str(folder / file["filename"]) for file in state["_data_files"]]
 
+    def _builder_of(self, local: Path) -> str:
+        """The `datasets` builder that reads a local file, by its suffix; a clear error for any other file type."""
+        if local.suffix not in _FILE_BUILDERS:
+            raise ConfigError(
+                "data.source.init_args.path",
+                f"{self.path!r} is of an unknown file type",
+                f"use {sorted(_FILE_BUILDERS)}",
+            )
+        return _FILE_BUILDERS[local.suffix]
+
     def _data_files(self, split: str) -> tuple[list[str], str]:
         """The local files of `split`, resolved as `load_dataset` resolves them, and the builder that reads them:
         `path` itself (a file), a folder's data files (split by their names), or a builder's `data_files`."""
@@ -814,14 +821,8 @@ class HFDataset(Source):
 
         local = Path(os.path.abspath(self.path))
         if local.is_file():
-            if local.suffix not in _FILE_BUILDERS:
-                raise ConfigError(
-                    "data.source.init_args.path",
-                    f"{self.path!r} is of an unknown file type",
-                    f"use {sorted(_FILE_BUILDERS)}",
-                )
             _one_split({"train": ()}, split, self.path)
-            return [str(local)], _FILE_BUILDERS[local.suffix]
+            return [str(local)], self._builder_of(local)
         if local.is_dir():
             try:
                 patterns = get_data_patterns(local.as_posix())
@@ -880,14 +881,8 @@ class HFDataset(Source):
             saved = datasets.load_from_disk(str(local))
             return saved[self.split] if self.split else saved
         if local.is_file():
-            if local.suffix not in _FILE_BUILDERS:
-                raise ConfigError(
-                    "data.source.init_args.path",
-                    f"{self.path!r} is of an unknown file type",
-                    f"use {sorted(_FILE_BUILDERS)}",
-                )
             return datasets.load_dataset(
-                _FILE_BUILDERS[local.suffix], data_files=str(local), split=self.split, cache_dir=cache_dir
+                self._builder_of(local), data_files=str(local), split=self.split, cache_dir=cache_dir
             )
         self._check_where()
         return datasets.load_dataset(

@@ -62,19 +62,27 @@ def fit_args(
     return [
         sys.executable, str(ROOT / "main.py"), "fit",
         *(arg for config in configs for arg in ("--config", str(ROOT / config))),
+        *chatterbot_run(tmp_path, model_config, callbacks),
+        "--data.num_workers=2",
+        "--trainer.max_epochs=3",
+        "--trainer.accumulate_grad_batches=2",
+    ]  # fmt: skip
+
+
+def chatterbot_run(tmp_path: Path, model_config: dict, callbacks: list[dict]) -> list[str]:
+    """What the resume tests' runs share: a tiny model on 112 Chatterbot chats in 384-token packs, fp32 on the CPU,
+    no validation, no logger, `callbacks`, everything under `tmp_path`."""
+    return [
         f"--model.model_config={json.dumps(model_config)}",
         "--model.lr=1e-3",
         "--data.source=lit_packing.data.Chatterbot",
         "--data.limit=120",
         "--data.val_split=8",
         "--data.max_length=256",
-        "--data.num_workers=2",
         "--data.sampler.init_args.max_tokens=384",
         f"--data.cache_dir={tmp_path / 'cache'}",
         "--trainer.accelerator=cpu",
         "--trainer.precision=32-true",
-        "--trainer.max_epochs=3",
-        "--trainer.accumulate_grad_batches=2",
         "--trainer.limit_val_batches=0",
         "--trainer.logger=false",
         "--trainer.enable_progress_bar=false",

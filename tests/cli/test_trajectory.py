@@ -23,10 +23,10 @@ from lightning.pytorch import Trainer
 
 from lit_packing.data import PackingDataModule
 from lit_packing.errors import ConfigError
+from tests.cli.test_resume import chatterbot_run, env
 from tests.conftest import TINY_CONFIGS
 
 ROOT = Path(__file__).parents[2]
-DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 MAX_STEPS = 8
 LLAMA = TINY_CONFIGS["llama"]
 
@@ -70,36 +70,17 @@ def fit_args(
     ]  # fmt: skip
     return [
         sys.executable, str(ROOT / "main.py"), "fit", "--config", "quickstart",
-        f"--model.model_config={json.dumps(model_config)}",
-        "--model.lr=1e-3",
-        "--data.source=lit_packing.data.Chatterbot",
-        "--data.limit=120",
-        "--data.val_split=8",
-        "--data.max_length=256",
-        "--data.sampler.init_args.max_tokens=384",
-        f"--data.cache_dir={tmp_path / 'cache'}",
-        "--trainer.accelerator=cpu",
+        *chatterbot_run(tmp_path, model_config, callbacks),
         f"--trainer.devices={ranks}",
         f"--trainer.strategy={'ddp' if ranks > 1 else 'auto'}",
-        "--trainer.precision=32-true",
         f"--trainer.max_steps={MAX_STEPS}",
         "--trainer.log_every_n_steps=1",
-        "--trainer.limit_val_batches=0",
-        "--trainer.logger=false",
-        "--trainer.enable_progress_bar=false",
-        f"--trainer.default_root_dir={tmp_path}",
-        f"--trainer.callbacks={json.dumps(callbacks)}",
         *extra,
     ]  # fmt: skip
 
 
-def run_env(tmp_path: Path) -> dict[str, str]:
-    clean = {key: value for key, value in os.environ.items() if key not in DISTRIBUTED_ENV}
-    return {**clean, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "OMP_NUM_THREADS": "1"}
-
-
 def fit(tmp_path: Path, args: list[str]) -> str:
-    done = subprocess.run(args, cwd=tmp_path, env=run_env(tmp_path), capture_output=True, text=True, timeout=900)
+    done = subprocess.run(args, cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return done.stdout
 
@@ -107,7 +88,7 @@ def fit(tmp_path: Path, args: list[str]) -> str:
 def kill_after(tmp_path: Path, args: list[str], checkpoint: Path) -> None:
     """Start the run, wait for `checkpoint`, let it train past it, then SIGKILL every process of the launch."""
     victim = subprocess.Popen(
-        args, cwd=tmp_path, env=run_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        args, cwd=tmp_path, env=env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + 600
@@ -212,7 +193,7 @@ def test_kill_9_then_resume_on_another_world_size_keeps_the_trajectory(reference
 def test_a_global_batch_the_ranks_cannot_split_is_refused(tmp_path):
     (tmp_path / "recorder.py").write_text(RECORDER)
     args = fit_args(tmp_path, LLAMA, "odd", 2, "--data.packs_per_step=3")
-    done = subprocess.run(args, cwd=tmp_path, env=run_env(tmp_path), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(args, cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert done.stdout.strip().splitlines()[-1] == (
         "error: data.packs_per_step: 3 packs per optimizer step cannot be split evenly over 2 ranks "
