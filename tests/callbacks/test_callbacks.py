@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -49,7 +50,7 @@ class FixedBatches(pl.LightningModule):
 
 def fit(tmp_path, monkeypatch, batches, accumulate=1, module=FixedBatches):
     ticks = itertools.count()
-    monkeypatch.setattr(throughput_module.time, "perf_counter", lambda: next(ticks) * STEP_SECONDS)
+    monkeypatch.setattr(throughput_module, "time", SimpleNamespace(perf_counter=lambda: next(ticks) * STEP_SECONDS))
     trainer = pl.Trainer(
         max_epochs=1,
         logger=CSVLogger(tmp_path),
@@ -225,7 +226,7 @@ def test_progress_log_words_one_step_and_shows_any_rate_with_one_decimal(tmp_pat
     """`training: 1 optimizer step`, singular; 28 tokens in 0.5 s on the patched clock: `tok/s 56.0`, the rate with
     one decimal however small (a loss or a ratio keeps four)."""
     ticks = itertools.count()
-    monkeypatch.setattr(throughput_module.time, "perf_counter", lambda: next(ticks) * STEP_SECONDS)
+    monkeypatch.setattr(throughput_module, "time", SimpleNamespace(perf_counter=lambda: next(ticks) * STEP_SECONDS))
     callbacks = [TokenThroughputMonitor(summary=False), ProgressLog()]
     trainer = pl.Trainer(
         max_steps=1, logger=False, callbacks=callbacks, enable_checkpointing=False, enable_model_summary=False,
