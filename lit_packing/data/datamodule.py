@@ -144,7 +144,8 @@ class PackingDataModule(LightningDataModule):
             tokenization; a fraction adapts to the data. Ignored when the source has its own `validation` (or
             `test`) split. `main.py test` scores the source's `test` split where it has one besides
             `validation`, else the validation examples.
-        limit: keep only this many examples of each split (a seeded random choice), for quick runs.
+        limit: keep only this many examples of each split (a seeded random choice), for quick runs; with
+            `streaming`, each source's first `limit` training rows (its shards in their sorted order, unshuffled).
         seed: seed of the split, of `limit` and of the samplers that were not given their own `seed`. A sampler
             gets the rest of its run context from the run (`RunContext`): the trainer's ranks and
             `accumulate_grad_batches`, and the connected model's cost coefficients (`MultipackSampler`), each only
@@ -236,12 +237,6 @@ class PackingDataModule(LightningDataModule):
         self.packs_per_step = packs_per_step
         self.tokens_per_step = tokens_per_step
         self.streaming = streaming or isinstance(source, Mixture)
-        if self.streaming and limit is not None:
-            raise ConfigError(
-                "data.limit",
-                f"{limit} is a seeded random subset of the whole data, and a stream is read in order",
-                "leave it unset with data.streaming (trainer.max_steps bounds the run)",
-            )
         self.buffer_size = buffer_size
         self.stream: Stream | None = None  # with `streaming`, built by `setup`
         for component, factory in (("sampler", sampler), ("val_sampler", val_sampler)):
@@ -613,7 +608,7 @@ class PackingDataModule(LightningDataModule):
         self.report = TokenizationReport()  # the held-out rows', then every streamed chunk's as it is read
         self.stream = Stream(
             self.source, rules, self.buffer_size, self.seed, self.num_workers, held, cache_dir=self.cache_dir,
-            report=self.report,
+            report=self.report, limit=self.limit,
         )  # fmt: skip
         val = self._tokenize_held(rows, ids) if rows else None
         self.val_dataset = self.test_dataset = val

@@ -131,9 +131,17 @@ class SourceRows:
     for validation; read from any row on."""
 
     def __init__(
-        self, index: int, source: Source, held: Sequence[int], seed: int, shuffle: bool, cache_dir: str | None = None
+        self,
+        index: int,
+        source: Source,
+        held: Sequence[int],
+        seed: int,
+        shuffle: bool,
+        cache_dir: str | None = None,
+        limit: int | None = None,
     ) -> None:
         self.index = index
+        self.limit = limit  # training rows of a pass (in the shards' sorted order), for quick runs
         self.source = source
         self.shards = source.shards(cache_dir)
         if not self.shards:
@@ -160,7 +168,12 @@ class SourceRows:
 
     def read(self, epoch: int, pass_: int, start: int) -> Iterator[tuple[int, int, dict]]:
         """`(shard, row, raw row)` of the training rows from the `start`-th on."""
-        for shard in self.order(epoch, pass_).tolist():
+        rows = self._read(epoch, pass_, start)
+        return rows if self.limit is None else itertools.islice(rows, max(self.limit - start, 0))
+
+    def _read(self, epoch: int, pass_: int, start: int) -> Iterator[tuple[int, int, dict]]:
+        order = self.order(epoch, pass_) if self.limit is None else np.arange(len(self.shards))  # a limit: the first
+        for shard in order.tolist():
             first = self.held[shard]
             if start:
                 left = self.rows_of(shard) - first
@@ -457,6 +470,7 @@ class Stream:
         shuffle: bool = True,
         cache_dir: str | None = None,
         report: TokenizationReport | None = None,
+        limit: int | None = None,
     ) -> None:
         self.source = source
         self.members = members(source)
@@ -468,7 +482,10 @@ class Stream:
         self.weight_by = getattr(source, "weight_by", "tokens")
         self.on_exhausted = getattr(source, "on_exhausted", "stop")
         held = held or [[] for _ in self.members]
-        self.rows = [SourceRows(i, m.source, held[i], seed, shuffle, cache_dir) for i, m in enumerate(self.members)]
+        self.limit = limit
+        self.rows = [
+            SourceRows(i, m.source, held[i], seed, shuffle, cache_dir, limit) for i, m in enumerate(self.members)
+        ]
 
     def name_example(self, example: int) -> str:
         """An example id as the user finds it: `line 18 of shards/a.jsonl`."""
@@ -484,6 +501,7 @@ class Stream:
             ).hexdigest(),
             "data.seed": self.seed,
             "data.buffer_size": self.buffer_size,
+            "data.limit": self.limit,
             "data.source.init_args.weights": [m.weight for m in self.members],
         }
 

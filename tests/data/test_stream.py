@@ -11,7 +11,7 @@ import pytest
 
 from lit_packing.batch import INPUT_IDS, LABELS, ROWS, SOURCE_TOKENS
 from lit_packing.data import Chatterbot, HFDataset, HumanEval, Mixture, PackedCollator, PackingDataModule
-from lit_packing.data.stream import Mixer, MixerState, Stream, StreamLoader, TokenizeRules, split_id
+from lit_packing.data.stream import Mixer, MixerState, Stream, StreamLoader, TokenizeRules, example_id, split_id
 from lit_packing.errors import ConfigError, DataError
 from lit_packing.samplers import BestFitPackingSampler, MultipackSampler, RunContext
 
@@ -155,3 +155,16 @@ def test_example_ids_name_their_source_shard_and_row(tokenizer):
     rows = examples(next_n(iter(loader(stream)), 5))
     assert {split_id(r)[0] for r in rows} <= {0, 1}
     assert all(stream.name_example(r).startswith("row ") for r in rows)
+
+
+def test_limit_reads_each_sources_first_rows(tokenizer):
+    """`data.limit` with a stream: each source's first rows, in file order, every epoch the same ones."""
+    rules = TokenizeRules(tokenizer, max_length=256, overlong="truncate", train_on="completion", on_bad_row="error")
+    stream = Stream(Chatterbot(), rules, 16, SEED, limit=30)
+    ids = examples(loader(stream, max_tokens=4096))
+    assert sorted(ids) == [example_id(0, 0, r) for r in range(30)]
+    again = loader(stream, max_tokens=4096)
+    again.set_epoch(1)
+    assert sorted(examples(again)) == sorted(ids)
+    mixed = Stream(Mixture([Chatterbot(), HumanEval()], on_exhausted="repeat"), rules, 16, SEED, limit=10)
+    assert {split_id(i)[2] for i in examples(loader(mixed, max_tokens=4096))} <= set(range(10))
