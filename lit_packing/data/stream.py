@@ -337,8 +337,7 @@ class Mixer:
             if chunk is None:
                 return False
             if chunk.error:
-                shard_name = self.stream.name_example
-                raise DataError(_named(chunk.error, shard_name))
+                raise DataError(_named(chunk.error, self.stream.name_example))
             self.report.update(chunk.report)
             self.tokenized = [self.tokenized[0] + chunk.rows, self.tokenized[1] + chunk.seconds]
             offset = state.read[i] - chunk.number * self.stream.buffer_size
