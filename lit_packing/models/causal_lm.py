@@ -50,7 +50,17 @@ from lit_packing.contract import DataContract, DataModelConnection, ModelContrac
 from lit_packing.cost import model_shape
 from lit_packing.data.collate import StepShape
 from lit_packing.errors import ConfigError, DataError, TrainingError, check_range
-from lit_packing.models.attention import AttnBackend, attn_implementation, available_backends, resolve_backend
+from lit_packing.models.attention import (
+    AttentionNeeds,
+    AttnBackend,
+    VarlenImpl,
+    attention_needs,
+    attn_implementation,
+    available_backends,
+    precision_note,
+    resolve_backend,
+    select_varlen_impl,
+)
 from lit_packing.models.isolation import check_isolation, check_packed_batch
 from lit_packing.models.loading import DType, apply_lora, load_causal_lm, no_decay_parameter_ids
 from lit_packing.models.loss import (
@@ -78,7 +88,7 @@ Schedule = Literal["cosine", "linear", "constant"]
 NonFinite = Literal["error", "skip"]
 SAMPLE_ROWS = 8  # source rows named when a step fails
 # Core parameters that are `model.<name>` settings (a core `ConfigError` naming one is re-raised with that path).
-MODEL_SETTINGS = ("attn_backend", "loss_impl", "loss_normalization", "loss_chunk_size")
+MODEL_SETTINGS = ("attn_backend", "varlen_impl", "loss_impl", "loss_normalization", "loss_chunk_size")
 # What the value of a sampler setting sized by `largest_fitting` (`auto`) counts, as its log line says it.
 AUTO_UNITS = {"max_tokens": "tokens per pack", "batch_size": "examples per batch"}
 
@@ -93,6 +103,8 @@ class PackedCausalLM(LightningModule):
         vocab_size: the tokenizer's size (linked from the data module); see `load_causal_lm`.
         dtype: parameter dtype; leave unset (float32) with `precision=bf16-mixed`.
         attn_backend: auto | flash_attn | torch_varlen | per_example | sdpa_mask (see `attention.py`).
+        varlen_impl: the FlashAttention implementation `torch_varlen` runs: `auto` (FA3 / FA4 where PyTorch
+            >= 2.12 finds their package and the GPU takes it, else FA2), `FA2` (built into PyTorch), `FA3`, `FA4`.
         loss_normalization: `token`: one mean over all label tokens of the optimizer step (all micro-batches,
             all ranks); `sequence`: the mean over examples of each example's token mean (LongAlign).
         isolation_check: run the packed-vs-per-example self-test on the first packed training batch.
@@ -133,6 +145,7 @@ class PackedCausalLM(LightningModule):
         vocab_size: int | None = None,
         dtype: DType | None = None,
         attn_backend: AttnBackend = "auto",
+        varlen_impl: VarlenImpl = "auto",
         loss_normalization: LossNormalization = "token",
         isolation_check: bool = True,
         loss_impl: LossImpl = "chunked",
@@ -159,14 +172,17 @@ class PackedCausalLM(LightningModule):
         _check_settings(self.hparams)
         with _named_model_settings():
             check_loss_settings(loss_impl, loss_chunk_size, loss_normalization)
-        # Until the trainer says which device we run on, guess; `setup` resolves again for the real device.
+        # A backend no device of this machine can run fails before the model loads (the trainer's device is not
+        # known yet: `setup` resolves for it). The model loads on the host, so until the strategy moves it, it runs
+        # the backend for the host: the construction-time checks below run a forward there.
         guess = "cuda" if torch.cuda.is_available() else "cpu"
-        _backend_here(attn_backend, guess)  # a backend no device here can run fails before the model loads
-        portable = attn_backend if attn_backend in ("per_example", "sdpa_mask") else "auto"
-        self.attn_backend: str = resolve_backend(portable, guess)  # the backend in use (`auto` resolved)
+        _backend_here(attn_backend, guess)
+        self.attn_backend: str = self._backend_for(self.device)  # the backend in use (`auto` resolved)
         self.model = load_causal_lm(
             name_or_path, model_config, vocab_size, dtype, attn_implementation(self.attn_backend), resize_embeddings
         )
+        with _named_model_settings():  # a backend that cannot run this model (softcap on torch_varlen, ...)
+            _backend_here(attn_backend, guess, attention_needs(self.model))
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora:
@@ -215,17 +231,32 @@ class PackedCausalLM(LightningModule):
                 "use auto, ddp or fsdp",
             )
         device = self.trainer.strategy.root_device
-        self.attn_backend = _backend_here(self.hparams.attn_backend, device)
+        self.attn_backend = self._backend_for(device)
         self._check_token_ids()
         self.hf_model.set_attn_implementation(attn_implementation(self.attn_backend))
         how = " (auto)" if self.hparams.attn_backend == "auto" else ""
+        if self.attn_backend == "torch_varlen":
+            with _named_model_settings():
+                how += f", {select_varlen_impl(self.hparams.varlen_impl, device)}"
         log.info("attention backend: %s%s on %s", self.attn_backend, how, device)
+        note = precision_note(self.attn_backend, _activation_dtype(self.hf_model, str(self.trainer.precision)))
+        if note:
+            log.warning(note)
         if self.hparams.loss_impl == "liger":
             check_liger(device, self.hf_model.get_output_embeddings())
         if self.hparams.compile and not getattr(self, "_compiled", False):
             # The decoder, which both the loss (hidden states) and `forward` (logits) run through.
             self.hf_model.base_model.compile(dynamic=None)
             self._compiled = True
+
+    def _backend_for(self, device: torch.device) -> str:
+        """The configured backend resolved for `device` and this model: on the host (construction), `auto` and
+        the GPU-only backends run per_example there; on the trainer's device, the backend itself."""
+        backend = self.hparams.attn_backend
+        if torch.device(device).type == "cpu" and backend not in ("per_example", "sdpa_mask"):
+            backend = "auto"
+        model = getattr(self, "model", None)
+        return _backend_here(backend, device, attention_needs(self.hf_model) if model is not None else None)
 
     def _check_token_ids(self) -> None:
         """Refuse data whose token ids fall outside the embedding table (once, from the data's max id)."""
@@ -458,8 +489,10 @@ class PackedCausalLM(LightningModule):
             {"params": [p for p in params if id(p) not in no_decay], "weight_decay": hp.weight_decay},
             {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0},
         ]
-        # Fused AdamW unscales inside step(), which Lightning cannot combine with fp16 gradient clipping.
-        fused = self.device.type == "cuda" and str(self.trainer.precision) != "16-mixed"
+        # Fused AdamW unscales inside step(): Lightning's mixed-precision plugin (bf16-mixed and 16-mixed) refuses
+        # to clip gradients for such an optimizer, so a clipped mixed-precision run takes the foreach kernel.
+        mixed = str(self.trainer.precision).endswith("-mixed")
+        fused = self.device.type == "cuda" and not (mixed and (self.trainer.gradient_clip_val or 0) > 0)
         optimizer = torch.optim.AdamW(
             [g for g in groups if g["params"]], lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused or None
         )
@@ -565,14 +598,23 @@ def _named_model_settings():
         raise error.under({name: f"model.{name}" for name in MODEL_SETTINGS}) from None
 
 
-def _backend_here(backend: str, device: torch.device | str) -> str:
+def _backend_here(backend: str, device: torch.device | str, needs: AttentionNeeds | None = None) -> str:
     """`resolve_backend`, its `ConfigError` naming `model.attn_backend` and the backends this device can run."""
     try:
-        return resolve_backend(backend, device)
+        return resolve_backend(backend, device, needs)
     except ConfigError as error:
-        usable = ", ".join(available_backends(device))
+        usable = ", ".join(available_backends(device, needs))
         fix = f"{error.fix}; on {device} these run: auto, {usable}"
         raise ConfigError(error.setting, error.problem, fix, {"attn_backend": "model.attn_backend"}) from None
+
+
+def _activation_dtype(model: torch.nn.Module, precision: str) -> torch.dtype:
+    """The dtype attention sees: the autocast dtype of a mixed precision, else the parameters'."""
+    if precision.startswith("bf16-mixed"):
+        return torch.bfloat16
+    if precision.startswith("16-mixed"):
+        return torch.float16
+    return next(model.parameters()).dtype
 
 
 def _apply_umask(folder: str) -> None:

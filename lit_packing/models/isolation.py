@@ -32,7 +32,7 @@ from lit_packing.batch import (
     is_packed,
 )
 from lit_packing.errors import IsolationError
-from lit_packing.models.attention import observe_kernel_dtypes
+from lit_packing.models.attention import compute_dtype
 
 # Allowed max |packed - per-example| of the logits, relative to max(1, max |logits|), by compute dtype. Packed and
 # per-example fp32 agree to ~1e-6 (different kernels, same math); examples that see each other differ by far more.
@@ -174,9 +174,7 @@ def check_isolation(
     was_training = model.training
     model.eval()
     try:
-        with observe_kernel_dtypes() as seen:
-            packed = model(**small, use_cache=False).logits[0].float()  # (T, V)
-        kernel_dtype = seen[-1] if seen else None
+        packed = model(**small, use_cache=False).logits[0].float()  # (T, V)
         with attn_implementation_set(base, reference):
             alone = []
             for start, end in zip(cu[:-1], cu[1:]):
@@ -188,9 +186,7 @@ def check_isolation(
     per_example = torch.cat(alone)
     diff = float((packed - per_example).abs().max())
     scale = max(1.0, float(per_example.abs().max()))
-    dtype = _compute_dtype(model)
-    if kernel_dtype is not None and torch.finfo(kernel_dtype).eps > torch.finfo(dtype).eps:
-        dtype = kernel_dtype  # the attention kernel ran below the model's precision: judge by what it ran in
+    dtype = compute_dtype(backend, _compute_dtype(model))  # a kernel below the model's precision: judge by it
     tol = (rtol if rtol is not None else ISOLATION_RTOL.get(dtype, 5e-2)) * scale
     if not diff <= tol:  # also catches nan
         raise IsolationError(

@@ -214,12 +214,19 @@ def causal_lm_loss(
 
 
 def liger_token_loss_sum(inputs: HeadInputs, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of token losses and label count through Liger-Kernel's fused linear cross-entropy (CUDA only)."""
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    """Sum of token losses and label count through Liger-Kernel's fused linear cross-entropy (CUDA only).
 
+    A micro-batch without a trained token (an all-prompt pack, the empty pack a spare rank gets) never reaches the
+    kernel, which divides by the label count: its loss is 0, still connected to the head and hidden states so that
+    every rank runs the same backward."""
     hidden, targets, mask = _label_rows(inputs, labels)
     head = inputs.head
     weight, bias = head.weight, head.bias
+    if targets.numel() == 0:
+        zero = hidden.sum() * 0.0 + weight.sum() * 0.0 + (bias.sum() * 0.0 if bias is not None else 0.0)
+        return zero.float(), mask.sum().float()
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
     if torch.is_autocast_enabled(hidden.device.type):  # the kernel sees raw tensors: cast as autocast would
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)

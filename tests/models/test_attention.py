@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
-from transformers.masking_utils import AttentionMaskInterface
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_packing.batch import INPUT_IDS, PACKED_KEYS, POSITION_IDS
 from lit_packing.data.collate import PackedCollator, PaddedCollator
@@ -321,32 +320,3 @@ def test_flash_attn_on_a_cpu_names_backends_that_work_here():
     with pytest.raises(ValueError, match=r"attn_backend=auto .*per_example") as error:
         resolve_backend("flash_attn", "cpu")
     assert "pip install" not in str(error.value)  # installing cannot help without a GPU
-
-
-def _bf16_per_example(q, k, v, *args, **kwargs):
-    """The exact CPU kernel run the way the GPU kernels run fp32 activations: cast to bf16 by `_half`."""
-    out = attention._per_example(*(attention._half(x, "bf16_per_example") for x in (q, k, v)), *args, **kwargs)
-    return out.to(q.dtype)
-
-
-def test_low_precision_kernel_warns_once_and_sets_the_self_test_tolerance(tiny_llama_config, caplog):
-    """A kernel that casts fp32 activations says so once, naming the dtype; the isolation self-test then judges
-    by the dtype the kernel ran in (bf16), not the model's fp32, so a correct run passes."""
-    AttentionInterface.register("bf16_per_example", attention._attention_forward(_bf16_per_example))
-    AttentionMaskInterface.register("bf16_per_example", attention._padding_only_mask)
-    model = tiny_model(tiny_llama_config, attn="bf16_per_example")
-    batch = PackedCollator()(make_examples(LENGTHS))
-    attention._warn_cast.cache_clear()
-    with caplog.at_level("WARNING", logger=attention.__name__):
-        diff = check_isolation(model, batch, "bf16_per_example")
-        check_isolation(model, batch, "bf16_per_example")
-    warnings = [r for r in caplog.records if "computes in bfloat16" in r.getMessage()]
-    assert len(warnings) == 1 and "float32 activations" in warnings[0].getMessage()
-    with attention.observe_kernel_dtypes() as seen:
-        model(**{k: batch[k] for k in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
-                                       "max_length_q", "max_length_k")}, use_cache=False)  # fmt: skip
-    assert seen and set(seen) == {torch.bfloat16}  # every layer's kernel reported the dtype it ran in
-    assert attention._kernel_dtypes.get() is None  # nothing is recorded outside an observing block
-    assert diff > 1e-4  # bf16 attention differs from the fp32 reference by more than the fp32 tolerance ...
-    with pytest.raises(IsolationError):  # ... which, forced, would fail this correct backend
-        check_isolation(model, batch, "bf16_per_example", rtol=1e-4)
