@@ -9,7 +9,6 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_packing.batch import INPUT_IDS, PACKED_KEYS, POSITION_IDS
 from lit_packing.data.collate import PackedCollator, PaddedCollator
-from lit_packing.models import IsolationError, attention, check_isolation
 from lit_packing.models.attention import (
     attn_implementation,
     boundaries_from_positions,
