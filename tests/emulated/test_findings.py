@@ -161,7 +161,7 @@ BROKEN_INSTALLS = {
     "extension_does_not_load": {
         "flash_attn/__init__.py": "from flash_attn.flash_attn_interface import flash_attn_varlen_func\n",
         "flash_attn/flash_attn_interface.py": "import flash_attn_2_cuda as flash_attn_gpu\n",
-        "flash_attn_2_cuda.py": "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')\n",
+        "flash_attn_2_cuda.py": "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDev')\n",
     },
 }
 
