@@ -4,6 +4,9 @@
 #   bash benchmarks/gpu_check.sh            # cuda tests, then the benchmark table in bf16 on the GPU
 #   bash benchmarks/gpu_check.sh --smoke    # the benchmark's wiring on CPU with a tiny model (a minute or two)
 #
+# 0. the emulated-GPU tier (`pytest tests/emulated -m "not slow"`, ~20 s): the GPU code paths over exact reference
+#    kernels on a simulated GPU, first, so that a wiring failure shows before GPU time is spent (it needs flash-attn's
+#    Python files under build/emulated, which `make emulated` unpacks; without them the part is skipped, saying so).
 # 1. `pytest -m cuda tests/models` (<= 2 min): flash_attn (if installed) and torch_varlen against an fp32 per-example
 #    reference, with the tolerance set by the error of a plain bf16 PyTorch run; FSDP and 16-mixed steps.
 # 2. `python -m lit_packing.bench` on the GPU (<= 4 min): SmolLM2-135M's architecture (30 layers, random weights),
@@ -46,9 +49,9 @@ echo "== environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$PYTHON" - <<'PY' || { echo "lit_packing does not import: put the missing package's wheels in .whl/ (see above)"; exit 1; }
 import torch, transformers, lightning
-from lit_packing.models.attention import flash_attn_installed, resolve_backend
+from lit_packing.models.attention import flash_attn_status, resolve_backend
 print(f"torch {torch.__version__}, transformers {transformers.__version__}, lightning {lightning.__version__}")
-print(f"cuda {torch.cuda.is_available()}, flash-attn installed {flash_attn_installed()}, auto -> "
+print(f"cuda {torch.cuda.is_available()}, {flash_attn_status()[1]}, auto -> "
       f"{resolve_backend('auto', 'cuda' if torch.cuda.is_available() else 'cpu')}")
 PY
 
@@ -63,6 +66,12 @@ part() {  # part SECONDS_MAX NAME COMMAND...: run under its cap, or say it was s
   timeout "$limit" "$@" || status=1
 }
 
+if [[ -f build/emulated/flash-attn/flash_attn/flash_attn_interface.py ]]; then
+  part 60 "emulated GPU tier (reference kernels on a simulated GPU)" \
+    "$PYTHON" -m pytest tests/emulated -m "not slow" -q -p no:cacheprovider
+else
+  echo "(emulated GPU tier skipped: flash-attn's Python files are not under build/emulated; run make emulated)"
+fi
 part 120 "cuda tests" "$PYTHON" -m pytest -m cuda tests/models -q -p no:cacheprovider -rs
 
 VARIANTS="padding,padding_full_logits,minibatch_packing,bestfit_packing,hf_trainer"

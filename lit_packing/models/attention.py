@@ -10,7 +10,8 @@ A packed batch is one row of T tokens holding n examples; `cu_seq_lens_q = [0, L
 
 Backends (all exact; registered under the names in `HF_NAMES`):
     flash_attn    `flash_attn_varlen_func` from the flash-attn package (CUDA; `pip install -e ".[flash]"`)
-    torch_varlen  `torch.nn.attention.varlen.varlen_attn`, PyTorch's built-in FlashAttention-2 (CUDA, torch >= 2.10)
+    torch_varlen  `torch.nn.attention.varlen.varlen_attn`, PyTorch's built-in FlashAttention (CUDA, torch >= 2.10;
+                  FA2, or FA3 / FA4 where installed: `select_varlen_impl`)
     per_example    per-example SDPA on any device, one batched call per distinct length: cost sum(L^2), not T^2
     sdpa_mask     SDPA with a dense (T, T) block-diagonal causal mask: the slow reference
 
