@@ -11,7 +11,7 @@ function whose attribute is gone raises `CompatError` with the same message inst
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -429,19 +429,16 @@ def dataset_fingerprint(dataset: Any) -> str:
     return str(_get("datasets", "Dataset._fingerprint", lambda: dataset._fingerprint))
 
 
-def checkpoint_position(path: str) -> tuple[int, int, int]:
-    """`(global_step, epoch, epochs completed)` of a Lightning checkpoint file, read without loading its tensors.
+def checkpoint_position(checkpoint: Mapping[str, Any]) -> tuple[int, int, int]:
+    """`(global_step, epoch, epochs completed)` of a loaded Lightning checkpoint (`preflight.read_checkpoint`).
 
-    Lightning keeps no public reader of a checkpoint's loop state. The file is `torch.save`'s zip format, so
-    `torch.load(mmap=True)` maps the tensors instead of reading them: a 1.6 GB checkpoint opens in about a second.
-    Lightning: top-level `global_step` and `epoch`, and `loops.fit_loop.epoch_progress.current.processed` (an
-    epoch's training done: already 1 in a checkpoint saved at the end of epoch 0, whose `completed` is still 0);
-    checked on 2.6.6.
+    Lightning keeps no public reader of a checkpoint's loop state. Lightning: top-level `global_step` and `epoch`,
+    and `loops.fit_loop.epoch_progress.current.processed` (an epoch's training done: already 1 in a checkpoint
+    saved at the end of epoch 0, whose `completed` is still 0); checked on 2.6.6.
 
     Args:
-        path: the checkpoint file (`--ckpt_path`).
+        checkpoint: the checkpoint's contents.
     """
-    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     try:
         completed = checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"]
         return int(checkpoint["global_step"]), int(checkpoint["epoch"]), int(completed)

@@ -38,6 +38,7 @@ from lit_packing.data import PackingDataModule
 from lit_packing.errors import ConfigError, LitPackingError, TrainingError
 from lit_packing.models import PackedCausalLM
 from lit_packing.preflight import Position, check_left_to_train, preflight
+from lit_packing.processes import tie_to_launcher
 
 # W&B offline (sync later with `wandb sync runs/wandb/offline-run-*`) plus a CSV file; both under runs/.
 DEFAULT_LOGGERS = [
@@ -241,6 +242,7 @@ def cli_main(args: ArgsType = None, run: bool = True) -> PackingCLI:
     from lit_packing.configs import resolve_config_args
 
     quiet_defaults()
+    tie_to_launcher()  # a rank that Lightning or torchrun started ends with its launcher, even on SIGKILL
     try:
         if args is None:
             resolve_config_args()  # rewrites sys.argv[1:] in place: LightningCLI reads it (args and argv both warn)

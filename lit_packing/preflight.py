@@ -7,6 +7,9 @@ something left to train. Each failure is one `ConfigError` naming the setting an
 
 from __future__ import annotations
 
+import pickle
+import re
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,8 +108,59 @@ def read_position(ckpt_path: str) -> Position:
         raise AssetError(
             "--ckpt_path", f"{ckpt_path!r}: {where}{hint}", "give a checkpoint, e.g. runs/checkpoints/last.ckpt"
         )
-    step, epoch, completed = checkpoint_position(str(path))
+    step, epoch, completed = checkpoint_position(read_checkpoint(path, ckpt_path))
     return Position(str(ckpt_path), step, epoch, completed)
+
+
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format is a zip archive
+# torch names the first object it refuses: "Unsupported global: GLOBAL x.y ..." or "... unsupported GLOBAL x.y ..."
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+LIGHTNING_KEY = "pytorch-lightning_version"  # every checkpoint Lightning writes has it
+
+
+def read_checkpoint(path: Path, shown: str | None = None) -> dict[str, Any]:
+    """A checkpoint's contents through PyTorch's safe loader (`weights_only=True`: tensors and plain values only,
+    so a crafted file cannot run code; its tensors memory-mapped, not read), or one `AssetError` naming the file
+    and what is wrong with it: empty, cut short, not torch.save's format, objects the safe loader refuses, not a
+    Lightning checkpoint.
+
+    Safe reading costs nothing here: every checkpoint the toolkit writes holds tensors and plain values only.
+    """
+    shown = shown or str(path)
+
+    def refuse(problem: str, fix: str = "give a checkpoint this toolkit (Lightning) wrote, e.g. last.ckpt") -> None:
+        raise AssetError("--ckpt_path", f"{shown} {problem}", fix)
+
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not head:
+        refuse("is empty (0 bytes): the copy or the save that wrote it did not finish")
+    if head != ZIP_MAGIC:
+        refuse("is not a checkpoint: torch.save's zip format starts otherwise (a legacy pickle, text, another format)")
+    if not zipfile.is_zipfile(path):
+        refuse(
+            f"is damaged or cut short ({path.stat().st_size:,} bytes, a zip archive without its directory: an "
+            "interrupted copy or a full disk)",
+            "copy it again from where it was written, or resume from an earlier checkpoint",
+        )
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = _REFUSED_GLOBAL.search(str(error))
+        lines = [line for line in str(error).splitlines() if "Unsupported" in line or "Unpickler" in line]
+        what = found[1] if found else (lines[0].strip() if lines else "objects of other types than tensors")
+        refuse(
+            f"holds {what}, which the safe loader does not read: unpickling it could run code; only checkpoints "
+            "of plain tensors and values are read",
+            "resume from a checkpoint this toolkit wrote; a file from elsewhere is code, not data, unless it "
+            "holds plain tensors",
+        )
+    except (RuntimeError, EOFError, KeyError, ValueError) as error:  # a zip whose members are damaged
+        refuse(f"is damaged: {str(error).strip().splitlines()[0]}", "copy it again, or resume from an earlier one")
+    if not isinstance(checkpoint, dict) or LIGHTNING_KEY not in checkpoint:
+        keys = ", ".join(map(str, list(checkpoint)[:4])) if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        refuse(f"is not a Lightning checkpoint (a torch.save file of {keys or 'nothing'}; no {LIGHTNING_KEY})")
+    return checkpoint
 
 
 def check_left_to_train(position: Position, max_steps: int | None, max_epochs: int | None) -> None:

@@ -31,6 +31,7 @@ from lightning.pytorch import Callback
 from lit_packing.batch import COUNTS
 from lit_packing.bench.loss_memory import peak_gib
 from lit_packing.configs import config_path
+from lit_packing.processes import EndWithParent
 
 GiB = 2**30
 LARGEST_CANDIDATE = 65536
@@ -118,7 +119,7 @@ def train_child(args: argparse.Namespace, max_tokens: int) -> dict:
 def run(given: list[str], child: list[str]) -> dict:
     """One child process; its JSON line, with its lines that name the choice echoed."""
     command = [sys.executable, "-m", "lit_packing.bench.auto_budget", *given, "--child", *child]
-    out = subprocess.run(command, capture_output=True, text=True, check=False)
+    out = subprocess.run(command, capture_output=True, text=True, check=False, preexec_fn=EndWithParent())
     for line in out.stdout.splitlines():
         if "auto chose" in line or "auto found" in line:
             print(line.strip(), flush=True)

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from lit_packing.processes import EndWithParent
+
 SMOLLM2_WIDTH = {
     "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
     "num_key_value_heads": 3, "tie_word_embeddings": True, "max_position_embeddings": 8192,
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     for variant in ("eager", "compiled"):
         given = sys.argv[1:] if argv is None else argv
         command = [sys.executable, "-m", "lit_packing.bench.compile_speed", *given, "--child", variant]
-        out = subprocess.run(command, capture_output=True, text=True)
+        out = subprocess.run(command, capture_output=True, text=True, preexec_fn=EndWithParent())
         lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
         if not lines:
             sys.exit(f"{variant} failed: {out.stderr.strip().splitlines()[-1:]}")

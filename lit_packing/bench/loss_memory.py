@@ -21,6 +21,7 @@ import subprocess
 import sys
 
 from lit_packing.configs import config_path
+from lit_packing.processes import EndWithParent
 
 QWEN_LIKE = {
     "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 256, "intermediate_size": 1024,
@@ -83,7 +84,7 @@ def quickstart_child(impl: str, steps: int) -> dict:
 
 def run(child_args: list[str]) -> dict:
     command = [sys.executable, "-m", "lit_packing.bench.loss_memory", "--child", *child_args]
-    out = subprocess.run(command, capture_output=True, text=True, check=False)
+    out = subprocess.run(command, capture_output=True, text=True, check=False, preexec_fn=EndWithParent())
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode or not lines:
         return {"error": (out.stderr.strip().splitlines() or ["no output"])[-1]}

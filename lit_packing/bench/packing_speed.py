@@ -23,6 +23,8 @@ import time
 
 import numpy as np
 
+from lit_packing.processes import EndWithParent
+
 JIT_PROBE = """
 import time, numpy as np
 from lit_packing.samplers import kernels
@@ -44,7 +46,14 @@ def cold_jit_seconds() -> float:
     """Compile time of every kernel with an empty numba cache, in a fresh interpreter (imports not counted)."""
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "NUMBA_CACHE_DIR": cache}
-        out = subprocess.run([sys.executable, "-c", JIT_PROBE], env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", JIT_PROBE],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            preexec_fn=EndWithParent(),
+        )
     return float(out.stdout.strip().splitlines()[-1])
 
 

@@ -28,6 +28,7 @@ from lit_packing.bench.report import Report
 from lit_packing.bench.variants import INSTALL_BENCH, VARIANTS, RunResult, RunSpec, check_installed
 from lit_packing.cli import quiet_defaults
 from lit_packing.errors import ConfigError, LitPackingError
+from lit_packing.processes import EndWithParent
 
 PRETRAINED = "smollm2"
 SMOKE_MODEL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -165,7 +166,7 @@ def run_isolated(spec: RunSpec, logs: Path) -> RunResult:
     with open(log, "w") as f:
         done = subprocess.run(
             [sys.executable, "-m", "lit_packing.bench.worker", str(spec_file), str(result_file)],
-            stdout=f, stderr=subprocess.STDOUT, env=env, check=False,
+            stdout=f, stderr=subprocess.STDOUT, env=env, check=False, preexec_fn=EndWithParent(),
         )  # fmt: skip
     if done.returncode != 0 or not result_file.exists():
         tail = "\n".join(log.read_text().splitlines()[-25:])

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lit_packing.processes import EndWithParent
+
 WORDS = [
     "the",
     "of",
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
                 out = subprocess.run(
                     [sys.executable, "-m", "lit_packing.bench.stream_pipeline", "--first-step-only", str(folder),
                      str(args.workers), "--buffer-size", str(args.buffer_size)],
-                    capture_output=True, text=True, check=True,
+                    capture_output=True, text=True, check=True, preexec_fn=EndWithParent(),
                 )  # fmt: skip
                 runs.append(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
             times[name] = min(runs)

@@ -53,6 +53,7 @@ from lit_packing.data.tokenize import (
     tokenize_dataset,
 )
 from lit_packing.errors import ConfigError, DataError, check_range
+from lit_packing.processes import EndWithParent
 from lit_packing.samplers import AUTO, BestFitPackingSampler, PlannedBatchSampler, RunContext
 from lit_packing.samplers import worst_pack as worst_pack_of
 from lit_packing.text import count, dividing_fix
@@ -818,6 +819,7 @@ class PackingDataModule(LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
+            worker_init_fn=EndWithParent() if self.num_workers else None,  # no worker outlives a killed run
         )
 
     @staticmethod

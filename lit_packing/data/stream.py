@@ -55,6 +55,7 @@ from lit_packing.data.tokenize import (
     report_of,
 )
 from lit_packing.errors import ConfigError, DataError
+from lit_packing.processes import EndWithParent
 from lit_packing.samplers import PlannedBatchSampler
 
 log = logging.getLogger(__name__)
@@ -322,7 +323,13 @@ class Mixer:
         first = state.read[i] // stream.buffer_size
         dataset = _Chunks(stream.rows[i], self.epoch, state.passes[i], first, stream.buffer_size, stream.rules)
         workers = stream.num_workers
-        loader = DataLoader(dataset, batch_size=None, num_workers=workers, prefetch_factor=2 if workers else None)
+        loader = DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=workers,
+            prefetch_factor=2 if workers else None,
+            worker_init_fn=EndWithParent() if workers else None,  # they end with the run, even on SIGKILL
+        )
         return iter(loader)
 
     def _pull(self, i: int) -> bool:

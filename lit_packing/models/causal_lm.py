@@ -49,7 +49,7 @@ from lit_packing.batch import (
 from lit_packing.contract import DataContract, DataModelConnection, ModelContract
 from lit_packing.cost import model_shape
 from lit_packing.data.collate import StepShape
-from lit_packing.errors import ConfigError, DataError, TrainingError, check_range
+from lit_packing.errors import AssetError, ConfigError, DataError, TrainingError, check_range
 from lit_packing.models.attention import (
     AttentionNeeds,
     AttnBackend,
@@ -267,6 +267,19 @@ class PackedCausalLM(LightningModule):
                 f"the tokenized data holds token ids {low:,}..{high:,} but the model has {rows:,} embedding rows: "
                 f"data.tokenizer does not match model.name_or_path (use the model's own tokenizer, or "
                 f"model.resize_embeddings=true), or the tokenized cache was altered (delete it under data.cache_dir)"
+            )
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse a checkpoint of another model in one line, before Lightning loads its weights (a size mismatch
+        would otherwise end in a traceback); a LoRA run's checkpoint lacks the frozen weights by design."""
+        problem = weights_mismatch(checkpoint.get("state_dict", {}), self.state_dict(), self.strict_loading)
+        if problem:
+            path = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
+            raise AssetError(
+                "--ckpt_path",
+                f"{path or 'the checkpoint'} holds another model than this run builds: {problem}",
+                "resume with the model settings it was trained with (model.name_or_path, model.model_config, "
+                "model.lora), or start a new run without --ckpt_path",
             )
 
     def on_train_start(self) -> None:
@@ -559,6 +572,24 @@ def check_head_inputs(lm: PackedCausalLM) -> None:
             "model rescales them in its forward)",
             "set model.loss_impl=full",
         )
+
+
+def weights_mismatch(saved: Mapping[str, Any], here: Mapping[str, torch.Tensor], strict: bool = True) -> str:
+    """What differs between a checkpoint's state dict and the model's ('' when they match): shapes first, then
+    weights the model lacks, then (`strict`) weights the checkpoint lacks."""
+    shape = lambda t: tuple(getattr(t, "shape", ()))  # noqa: E731
+    wrong = [(k, shape(saved[k]), shape(t)) for k, t in here.items() if k in saved and shape(saved[k]) != shape(t)]
+    extra = [k for k in saved if k not in here]
+    missing = [k for k in here if k not in saved] if strict else []
+    parts = []
+    if wrong:
+        key, there, mine = wrong[0]
+        parts.append(f"{len(wrong):,} weights of another shape (first: {key}: {list(there)} there, {list(mine)} here)")
+    if extra:
+        parts.append(f"{len(extra):,} weights this model does not have (first: {extra[0]})")
+    if missing:
+        parts.append(f"none of {len(missing):,} of this model's weights (first: {missing[0]})")
+    return "; ".join(parts)
 
 
 def check_liger(device: torch.device, head: torch.nn.Module) -> None:

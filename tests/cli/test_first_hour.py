@@ -88,7 +88,7 @@ def test_lora_checkpoint_holds_only_the_adapters_and_resumes(tmp_path, monkeypat
     lora = json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]})
     logger = "--trainer.logger=false"
     cli = fit(f"--model.lora={lora}", "--trainer.max_steps=2", logger)
-    checkpoint = torch.load(tmp_path / "runs" / "checkpoints" / "last.ckpt", weights_only=False)
+    checkpoint = torch.load(tmp_path / "runs" / "checkpoints" / "last.ckpt", weights_only=True)
     trainable = {name for name, p in cli.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in name for name in trainable)
     assert set(checkpoint["state_dict"]) == trainable  # no frozen base weights (this model has no buffers saved)

@@ -102,7 +102,7 @@ def records(path: Path) -> list[dict]:
 
 
 def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    return torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    return torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
 
 
 @pytest.mark.slow

@@ -129,7 +129,7 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
 
 
 @pytest.fixture(scope="module")
