@@ -155,8 +155,9 @@ def test_a_checkpoint_of_another_data_source_is_named(checkpoints, capsys):
 
 def kill_and_watch(tmp_path: Path, args: list[str], ready: Path, ranks: int = 1) -> tuple[list[int], bool]:
     """Start a fit with its output on a pipe, wait until it trains (`ready` has a line), SIGKILL its first process
-    only (a preemption), and give the rest 15 s to end. Returns the pids still alive and whether the pipe closed
-    (a process still holding the run's stdout keeps a wrapper waiting)."""
+    only (a preemption), and give the rest 3 s to end (the kernel ends them at once; without that, a DataLoader
+    worker notices a dead parent in 5 s at best, a stream's never). Returns the pids still alive and whether the
+    pipe closed (a process still holding the run's stdout keeps a wrapper waiting)."""
     victim = subprocess.Popen(args, cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     reader = threading.Thread(target=victim.stdout.read, daemon=True)
     reader.start()
@@ -169,7 +170,7 @@ def kill_and_watch(tmp_path: Path, args: list[str], ready: Path, ranks: int = 1)
     assert len(family) >= 2 * ranks + (ranks - 1), family  # 2 workers a rank (+ the other ranks): a real test
     victim.send_signal(signal.SIGKILL)
     victim.wait()
-    gone, alive = psutil.wait_procs(family, timeout=15)
+    gone, alive = psutil.wait_procs(family, timeout=3)
     alive = [p.pid for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     reader.join(timeout=15)
     for pid in alive:  # leave nothing behind for the next test either
@@ -177,7 +178,13 @@ def kill_and_watch(tmp_path: Path, args: list[str], ready: Path, ranks: int = 1)
     return alive, not reader.is_alive()
 
 
-STREAM = ["--data.streaming=true", "--data.buffer_size=48", "--data.limit=null", "--data.val_split=0"]
+STREAM = [
+    "--data.streaming=true",
+    "--data.buffer_size=48",
+    "--data.limit=null",
+    "--data.val_split=0",
+    "--trainer.val_check_interval=1.0",
+]
 
 
 @pytest.mark.slow
