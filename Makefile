@@ -71,7 +71,7 @@ test-slow: setup emulated
 
 test-all: setup emulated
 	@echo "==> pytest (every test)"
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "slow or not slow" $(PYTEST_ARGS)
 
 # `make test-latest`: every test against the newest releases pyproject.toml's upper bounds allow (needs PyPI), in
 # a venv of its own (build/venv-latest); torch stays pinned to $(TORCH). Run it before raising a bound.
@@ -85,7 +85,7 @@ test-latest:
 	@echo "==> the versions under test:"
 	$(LATEST)/bin/python -m pip list --format=freeze \
 	  | grep -iE '^(torch|lightning|transformers|datasets|torchmetrics|wandb|jsonargparse|numba|peft|accelerate)=='
-	$(LATEST)/bin/python -m pytest $(PYTEST_ARGS)
+	$(LATEST)/bin/python -m pytest -m "slow or not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

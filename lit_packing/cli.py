@@ -257,6 +257,8 @@ def cli_main(args: ArgsType = None, run: bool = True) -> PackingCLI:
             trainer_defaults={
                 # Our samplers split the data across ranks themselves (and keep their state for resume).
                 "use_distributed_sampler": False,
+                # The model's own start-up line says its parameters and FLOPs; Lightning's table has FLOPs 0.
+                "enable_model_summary": False,
                 "logger": DEFAULT_LOGGERS,
                 "default_root_dir": "runs",
             },

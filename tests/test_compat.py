@@ -9,6 +9,7 @@ fitting Lightning's demo `BoringModel`, a real offline W&B run, real `torch.comp
 
 from __future__ import annotations
 
+import ast
 import csv
 import functools
 import sys
@@ -463,3 +464,60 @@ def test_a_config_built_factory_takes_keywords():
     factory = (getattr(parser, "instantiate", None) or parser.instantiate_classes)(config).factory
     built = factory(SequentialSampler(range(10)), drop_last=False)  # a keyword overrides the config's value
     assert list(built) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]], "jsonargparse factories must accept keywords"
+
+
+def test_packaged_builders():
+    """The builders `datasets` ships, by the names `load_dataset` takes (what a path that is no file is checked
+    against before any Hub request)."""
+    builders = _compat.packaged_builders()
+    expect(
+        {"json", "parquet", "arrow", "csv", "text"} <= builders,
+        "datasets",
+        "packaged_modules._PACKAGED_DATASETS_MODULES",
+    )
+
+
+LIBRARIES = {
+    "torch",
+    "lightning",
+    "pl",
+    "transformers",
+    "datasets",
+    "jsonargparse",
+    "peft",
+    "litdata",
+    "wandb",
+    "numba",
+}
+
+
+def _private_uses(tree: ast.AST) -> list[str]:
+    """Dotted names of another library's private attributes (`torch._dynamo`, `from x import _y`) in a module."""
+    found = []
+    inner = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}  # part of a longer name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in LIBRARIES:
+            parts = [*node.module.split("."), *(alias.name for alias in node.names)]
+            found += [f"{node.module}: {p}" for p in parts if p.startswith("_") and not p.startswith("__")]
+        elif isinstance(node, ast.Attribute) and id(node) not in inner:
+            chain, base = [node.attr], node.value
+            while isinstance(base, ast.Attribute):
+                chain.append(base.attr)
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in LIBRARIES:
+                name = ".".join([base.id, *reversed(chain)])
+                if any(p.startswith("_") and not p.startswith("__") for p in chain):
+                    found.append(name)
+    return found
+
+
+def test_every_private_attribute_of_another_library_is_read_in_compat():
+    """`_compat.py` is the one module that reads another library's private names (each with a test here)."""
+    package = Path(_compat.__file__).parent
+    offenders = {
+        str(path.relative_to(package)): uses
+        for path in package.rglob("*.py")
+        if path.name != "_compat.py" and (uses := _private_uses(ast.parse(path.read_text())))
+    }
+    assert offenders == {}
+    assert _private_uses(ast.parse("import torch\ntorch._dynamo.reset()")) == ["torch._dynamo.reset"]  # it can fail

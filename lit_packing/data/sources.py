@@ -43,6 +43,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from datasets import Features, List, Value
 
+from lit_packing._compat import packaged_builders
 from lit_packing.assets import check_local_or_hub, package_file
 from lit_packing.errors import AssetError, ConfigError, DataError
 
@@ -777,8 +778,6 @@ class HFDataset(Source):
             ConfigError: a part of a split (`train[:1000]`), a split the data does not have, an unknown file type.
             AssetError: a local path or `data_files` glob that matches nothing, a Hub dataset that cannot be reached.
         """
-        from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
-
         split = self.split or "train"
         if not re.fullmatch(r"[\w.-]+", split):
             raise ConfigError(
@@ -789,7 +788,7 @@ class HFDataset(Source):
         local = Path(self.path)
         if (local / "dataset_dict.json").exists() or (local / "state.json").exists():
             return self._file_shards(self._saved_files(local, split), "arrow")
-        if local.is_file() or local.is_dir() or self.path in _PACKAGED_DATASETS_MODULES:
+        if local.is_file() or local.is_dir() or self.path in packaged_builders():
             return self._file_shards(*self._data_files(split))
         self._check_where()
         return [StreamingShard(repr(self), None, self.path, self.name, split, self.data_files, self.field_map)]
@@ -892,9 +891,7 @@ class HFDataset(Source):
     def _check_where(self) -> None:
         """A local path or data file that does not exist, or a Hub dataset that cannot be reached, named in one
         line before `datasets` makes any request."""
-        from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
-
-        if self.path in _PACKAGED_DATASETS_MODULES:  # a builder (`json`, `parquet`, ...) reading `data_files`
+        if self.path in packaged_builders():  # a builder (`json`, `parquet`, ...) reading `data_files`
             files = self.data_files
             patterns = [files] if isinstance(files, str) else list(files.values()) if isinstance(files, dict) else files
             for pattern in (p for group in patterns or [] for p in ([group] if isinstance(group, str) else group)):

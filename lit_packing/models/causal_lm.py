@@ -47,7 +47,7 @@ from lit_packing.batch import (
     is_packed,
 )
 from lit_packing.contract import DataContract, DataModelConnection, ModelContract
-from lit_packing.cost import model_shape
+from lit_packing.cost import flop_coefficients, model_shape
 from lit_packing.data.collate import StepShape
 from lit_packing.errors import AssetError, ConfigError, DataError, TrainingError, check_range
 from lit_packing.models.attention import (
@@ -234,6 +234,9 @@ class PackedCausalLM(LightningModule):
         self.attn_backend = self._backend_for(device)
         self._check_token_ids()
         self.hf_model.set_attn_implementation(attn_implementation(self.attn_backend))
+        if not getattr(self, "_described", False):  # once per process: what Lightning's model summary would say
+            log.info(describe_model(self.model))
+            self._described = True
         how = " (auto)" if self.hparams.attn_backend == "auto" else ""
         if self.attn_backend == "torch_varlen":
             with _named_model_settings():
@@ -572,6 +575,30 @@ def check_head_inputs(lm: PackedCausalLM) -> None:
             "model rescales them in its forward)",
             "set model.loss_impl=full",
         )
+
+
+def describe_model(model: torch.nn.Module) -> str:
+    """One start-up line: the model, its parameters (trainable, frozen) and the training FLOPs the toolkit counts.
+
+    `LlamaForCausalLM: 3,219,776 parameters (3,219,776 trainable, 0 frozen); training FLOPs 19.3M a token + 1,536
+    an attended pair`
+    """
+    unique = {id(p): p for p in model.parameters()}.values()
+    trainable = sum(p.numel() for p in unique if p.requires_grad)
+    frozen = sum(p.numel() for p in unique if not p.requires_grad)
+    per_token, per_pair = flop_coefficients(model_shape(model))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return (
+        f"{type(base).__name__}: {trainable + frozen:,} parameters ({trainable:,} trainable, {frozen:,} frozen); "
+        f"training FLOPs {_si(per_token)} a token + {_si(per_pair)} an attended pair"
+    )
+
+
+def _si(value: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6)):
+        if value >= scale:
+            return f"{value / scale:.1f}{unit}"
+    return f"{value:,.0f}"
 
 
 def weights_mismatch(saved: Mapping[str, Any], here: Mapping[str, torch.Tensor], strict: bool = True) -> str:
