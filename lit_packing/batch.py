@@ -12,6 +12,7 @@ and `rows` (each example's row in the source).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import numpy as np
@@ -146,3 +147,27 @@ def item_label_tokens(batch: dict[str, Any]) -> list[int]:
     if SEQ_IDX in batch:
         return torch.bincount(batch[SEQ_IDX][mask].long()).tolist()
     return mask.sum(dim=1).tolist()
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One micro-batch: what it computes and its attention cost (the memory estimate sizes it).
+
+    Attributes:
+        slot_tokens: tokens computed, padding included (rows x width when padded).
+        attn_pairs: sum(L^2) packed, rows x width^2 padded.
+        rows: batch rows (1 when packed).
+        width: row length.
+        padded: a padded batch (2D attention mask) rather than a packed row.
+    """
+
+    slot_tokens: int
+    attn_pairs: int
+    rows: int
+    width: int
+    padded: bool = False
+
+    def describe(self) -> str:
+        if self.padded:
+            return f"{self.rows} padded rows x {self.width:,} tokens = {self.slot_tokens:,} slots"
+        return f"{self.slot_tokens:,} tokens in one packed row"

@@ -25,7 +25,7 @@ from lit_packing._compat import move_epoch_position, ready_batches
 from lit_packing.cost import ModelShape, flop_coefficients
 
 if TYPE_CHECKING:
-    from lit_packing.data.collate import StepShape
+    from lit_packing.batch import StepShape
     from lit_packing.data.tokenize import TokenizationReport
 
 
@@ -35,8 +35,6 @@ class DataContract:
 
     Attributes:
         tokenizer: the Hugging Face tokenizer the data was tokenized with (the model exports it beside its weights).
-        pad_token_id: the id that padding positions hold (never trained, never attended).
-        vocab_size: `len(tokenizer)`, the embedding rows the model needs.
         token_id_range: (lowest, highest) token id in the training and validation data.
         name_rows: training examples (their `index`, as `batch["rows"]` carries) named as the user counts them,
             e.g. `line 38 of chats.jsonl`.
@@ -50,8 +48,6 @@ class DataContract:
     """
 
     tokenizer: Any
-    pad_token_id: int
-    vocab_size: int
     token_id_range: tuple[int, int]
     name_rows: Callable[[list[int]], str]
     largest_step: Callable[[], StepShape | None]

@@ -144,3 +144,14 @@ print("ok", float(parts.label_tokens))
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.startswith("ok"), result.stderr[-2000:]
+
+
+def test_the_models_import_nothing_of_the_data_package():
+    """The model side reads the data only through the contract and the core's batch format (`StepShape` included),
+    never `lit_packing.data`: anywhere in its modules, function bodies included."""
+    found = {
+        module: sorted(t for t in imports(module, top_level_only=False) if t.startswith("lit_packing.data"))
+        for module in MODULES
+        if module.startswith("lit_packing.models")
+    }
+    assert {module: targets for module, targets in found.items() if targets} == {}

@@ -42,7 +42,8 @@ def peak_gib(device: str) -> float:
 def synthetic_child(impl: str, tokens: int, device: str, precision: str) -> dict:
     import torch
 
-    from lit_packing.data.collate import PackedCollator, StepShape
+    from lit_packing.batch import StepShape
+    from lit_packing.data.collate import PackedCollator
     from lit_packing.models import PackedCausalLM
     from lit_packing.models.loss import causal_lm_loss
     from lit_packing.models.memory import estimate_step_memory

@@ -53,6 +53,7 @@ from lit_packing.batch import (
     SEQ_IDX,
     STEP,
     TRUNCATED_TOKENS,
+    StepShape,
     attention_cost,
     batch_counts,
 )
@@ -125,30 +126,6 @@ class PlanSlots:
         p = int(np.lexsort((self.pairs, self.slots))[-1])
         values = (self.slots[p], self.pairs[p], self.rows[p], self.width[p])
         return StepShape(*(int(v) for v in values), padded=self.padded)
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """One micro-batch: what it computes and its attention cost (the memory estimate sizes it).
-
-    Attributes:
-        slot_tokens: tokens computed, padding included (rows x width when padded).
-        attn_pairs: sum(L^2) packed, rows x width^2 padded.
-        rows: batch rows (1 when packed).
-        width: row length.
-        padded: a padded batch (2D attention mask) rather than a packed row.
-    """
-
-    slot_tokens: int
-    attn_pairs: int
-    rows: int
-    width: int
-    padded: bool = False
-
-    def describe(self) -> str:
-        if self.padded:
-            return f"{self.rows} padded rows x {self.width:,} tokens = {self.slot_tokens:,} slots"
-        return f"{self.slot_tokens:,} tokens in one packed row"
 
 
 def _longest_per_pack(plan: PackPlan) -> np.ndarray:

@@ -33,9 +33,9 @@ from torch.utils.data import DataLoader, Sampler
 
 from lit_packing._compat import batch_sampler_with_epoch, set_accumulate_grad_batches, trained_batches
 from lit_packing.assets import resolve_pretrained
-from lit_packing.batch import INPUT_IDS
+from lit_packing.batch import INPUT_IDS, StepShape
 from lit_packing.contract import DataContract, ModelContract, setting_paths
-from lit_packing.data.collate import PackedCollator, PaddedCollator, StepShape
+from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.data.mixture import Mixture
 from lit_packing.data.sources import ChampChats, Source
 from lit_packing.data.stream import Stream, StreamLoader, TokenizeRules, Window, held_out, members, split_id
@@ -342,8 +342,6 @@ class PackingDataModule(LightningDataModule):
         self._warn_about(train, val)
         self.contract = DataContract(
             tokenizer=self.tokenizer,
-            pad_token_id=self.pad_token_id,
-            vocab_size=self.vocab_size,
             token_id_range=self.token_id_range,
             name_rows=self.name_rows,
             largest_step=self.largest_step,
@@ -621,8 +619,6 @@ class PackingDataModule(LightningDataModule):
         )  # fmt: skip
         self.contract = DataContract(
             tokenizer=self.tokenizer,
-            pad_token_id=self.pad_token_id,
-            vocab_size=self.vocab_size,
             token_id_range=(0, self.vocab_size - 1),  # what the tokenizer can emit: the stream is not read yet
             name_rows=lambda indices: "; ".join(self.stream.name_example(int(i)) for i in indices),
             largest_step=self.largest_step,

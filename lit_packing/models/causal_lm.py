@@ -44,11 +44,11 @@ from lit_packing.batch import (
     POSITION_IDS,
     ROWS,
     STEP,
+    StepShape,
     is_packed,
 )
 from lit_packing.contract import DataContract, DataModelConnection, ModelContract
 from lit_packing.cost import flop_coefficients, model_shape
-from lit_packing.data.collate import StepShape
 from lit_packing.errors import AssetError, ConfigError, DataError, TrainingError, check_range
 from lit_packing.models.attention import (
     AttentionNeeds,

@@ -43,8 +43,8 @@ from lit_packing.batch import (
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
     POSITION_IDS,
+    StepShape,
 )
-from lit_packing.data.collate import StepShape
 from lit_packing.errors import StepMemoryError
 
 log = logging.getLogger(__name__)

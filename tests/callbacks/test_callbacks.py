@@ -157,7 +157,7 @@ class ReportingData(pl.LightningDataModule):
         super().__init__()
         self.batches = batches
         self.contract = DataContract(
-            tokenizer=None, pad_token_id=0, vocab_size=0, token_id_range=(0, 0), name_rows=str,
+            tokenizer=None, token_id_range=(0, 0), name_rows=str,
             largest_step=lambda: None, report=report,
         )  # fmt: skip
 

@@ -16,8 +16,8 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import Logger
 
-from lit_packing.batch import COUNTS, INPUT_IDS
-from lit_packing.data.collate import PackedCollator, PaddedCollator, StepShape
+from lit_packing.batch import COUNTS, INPUT_IDS, StepShape
+from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.errors import ConfigError
 from lit_packing.models import PackedCausalLM
 from lit_packing.models.memory import (
