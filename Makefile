@@ -76,7 +76,7 @@ test-all: setup emulated
 # `make test-latest`: every test against the newest releases pyproject.toml's upper bounds allow (needs PyPI), in
 # a venv of its own (build/venv-latest); torch stays pinned to $(TORCH). Run it before raising a bound.
 LATEST := build/venv-latest
-test-latest:
+test-latest: emulated
 	@echo "==> $(LATEST): newest allowed versions (torch pinned to $(TORCH)), then every test"
 	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install -q --upgrade pip
@@ -95,7 +95,7 @@ inspect: setup
 	$(PY) -m lit_packing.packing_report --config quickstart
 
 bench: setup
-	$(PY) -m lit_packing.bench
+	$(PY) -m benchmarks
 
 clean:
 	rm -rf $(VENV) runs wandb lightning_logs

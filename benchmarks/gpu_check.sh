@@ -9,7 +9,7 @@
 #    Python files under build/emulated, which `make emulated` unpacks; without them the part is skipped, saying so).
 # 1. `pytest -m cuda tests/models` (<= 2 min): flash_attn (if installed) and torch_varlen against an fp32 per-example
 #    reference, with the tolerance set by the error of a plain bf16 PyTorch run; FSDP and 16-mixed steps.
-# 2. `python -m lit_packing.bench` on the GPU (<= 4 min): SmolLM2-135M's architecture (30 layers, random weights),
+# 2. `python -m benchmarks` on the GPU (<= 4 min): SmolLM2-135M's architecture (30 layers, random weights),
 #    bf16-mixed, `torch_varlen`: padding (chunked and full-logits loss), mini-batch packing, best fit and the HF
 #    Trainer peer (and TRL's when TRL is installed), 3 interleaved rounds of 2 warm-up + 10 timed steps. (The
 #    fixed-length rows, a contamination demonstration, and multipack, a multi-GPU balance, run in the CPU table.)
@@ -17,15 +17,15 @@
 # 3. with flash-attn installed (<= 1 min): padding vs mini-batch packing with `flash_attn`, 2 rounds
 #    ($RESULTS/bench_gpu_flash/).
 # 4. peak memory of a step with a 152k vocabulary at 8k and 32k tokens (<= 45 s): full logits vs the chunked loss,
-#    each beside the memory estimate's prediction (python -m lit_packing.bench.loss_memory).
+#    each beside the memory estimate's prediction (python -m benchmarks.loss_memory).
 # Every part is capped by what is left of BUDGET seconds (default 450: the script ends within 8 minutes), and a
 # part with under 20 s left is skipped.
 #
 # RESULTS: $OUT when set, else runs/.
-# Python: $PYTHON, else .venv/bin/python, else python3. lit_packing runs from the checkout (PYTHONPATH), nothing is
-# installed; it needs torch, transformers, lightning, torchmetrics, datasets, peft (and trl, the `bench` extra, for the
-# TRL row; without it the benchmark leaves that row out). On a
-# machine without an index, put wheels of a missing package in .whl/, e.g.:
+# Python: $PYTHON, else .venv/bin/python, else python3. lit_packing and the benchmarks run from the checkout
+# (PYTHONPATH), nothing is installed; it needs torch, transformers, lightning, torchmetrics, datasets, peft (and trl,
+# the `bench` extra, for the TRL row; without it the benchmark leaves that row out). On a machine without an index,
+# put wheels of a missing package in .whl/, e.g.:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl NAME==VERSION
 # and this script installs .whl/*.whl into /tmp/site.
@@ -41,7 +41,7 @@ fi
 RESULTS="${OUT:-runs}"
 
 if [[ "${1:-}" == "--smoke" ]]; then
-  exec "$PYTHON" -m lit_packing.bench --smoke --out "$RESULTS/bench_smoke"
+  exec "$PYTHON" -m benchmarks --smoke --out "$RESULTS/bench_smoke"
 fi
 
 status=0
@@ -79,19 +79,19 @@ if "$PYTHON" -c "import trl" 2>/dev/null; then VARIANTS="$VARIANTS,trl_bfd"; els
 GPU_BENCH=(--accelerator cuda --precision bf16-mixed --model_config '{num_hidden_layers: 30}' --pretrained '[]'
            --warmup_steps 2 --steps 10)
 part 240 "benchmark: SmolLM2-135M architecture, bf16-mixed, torch_varlen, 3 rounds" \
-  "$PYTHON" -m lit_packing.bench "${GPU_BENCH[@]}" --attn_backend torch_varlen --variants "[$VARIANTS]" \
+  "$PYTHON" -m benchmarks "${GPU_BENCH[@]}" --attn_backend torch_varlen --variants "[$VARIANTS]" \
   --rounds 3 --out "$RESULTS/bench_gpu"
 
 if "$PYTHON" -c "import flash_attn" 2>/dev/null; then
   part 60 "benchmark: padding vs mini-batch packing with flash_attn, 2 rounds" \
-    "$PYTHON" -m lit_packing.bench "${GPU_BENCH[@]}" --attn_backend flash_attn \
+    "$PYTHON" -m benchmarks "${GPU_BENCH[@]}" --attn_backend flash_attn \
     --variants '[padding, minibatch_packing]' --rounds 2 --out "$RESULTS/bench_gpu_flash"
 else
   echo "(flash-attn not installed: no flash_attn rows)"
 fi
 
 part 45 "loss memory: 152k vocabulary (Qwen2.5), 8k and 32k tokens, bf16-mixed: full logits vs chunked" \
-  "$PYTHON" -m lit_packing.bench.loss_memory --device cuda --precision bf16-mixed --tokens 8192 32768 --impls full chunked
+  "$PYTHON" -m benchmarks.loss_memory --device cuda --precision bf16-mixed --tokens 8192 32768 --impls full chunked
 
 echo "== done in ${SECONDS}s; results under $RESULTS/bench_gpu*"
 exit $status

@@ -37,6 +37,8 @@ INDEX = "index"  # an example's row in the source dataset (a column of the token
 SOURCE_TOKENS = "source_tokens"  # host list of a streamed batch: real tokens of each of the stream's sources in it
 WINDOW = "window"  # host dict of a streamed batch: its window's number, examples, fill, data wait so far
 PACKED_KEYS = (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, SEQ_IDX)
+# What a transformers model reads of a batch (packed or padded); the rest is for the loss and the callbacks.
+MODEL_KEYS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K)
 TRUNCATED_TOKENS = "truncated_tokens"  # an example's tokens cut by the overlong policy (a tokenized column)
 
 
@@ -125,6 +127,13 @@ def step_totals(label_tokens: Sequence[int]) -> dict[str, int]:
     """
     counts = np.asarray(label_tokens, dtype=np.int64)
     return {"label_tokens": int(counts.sum()), "sequences": int((counts > 0).sum())}
+
+
+def model_inputs(batch: dict[str, Any], device: torch.device | str | None = None) -> dict[str, Any]:
+    """The keyword arguments a transformers model takes from a batch (`MODEL_KEYS`), tensors moved to `device`:
+    `model(**model_inputs(batch, "cuda"), use_cache=False)`."""
+    return {k: v.to(device) if device is not None and torch.is_tensor(v) else v for k, v in batch.items()
+            if k in MODEL_KEYS}  # fmt: skip
 
 
 def attach_step(batches: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

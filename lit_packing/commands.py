@@ -1,9 +1,11 @@
-"""The `lit-packing` command (also `python main.py` and `python -m lit_packing`): training, the report, the benchmark.
+"""The `lit-packing` command (also `python main.py` and `python -m lit_packing`): training, the report, the configs.
 
     lit-packing fit --config quickstart          # LightningCLI: fit, validate, test, predict (as python main.py)
     lit-packing report --config quickstart       # the packing report (python -m lit_packing.packing_report)
-    lit-packing bench --smoke                    # the benchmark (python -m lit_packing.bench)
     lit-packing configs                          # the packaged configs: name, how it runs, what it is
+
+The benchmark is not part of the installed package: it runs from a checkout of the repository, from its root, with
+`python -m benchmarks` (`lit-packing bench` says so and exits with status 2).
 
 A `--config` value is a file or the name of a packaged config; a packaged delta runs after its base
 (`--config paper --config padding`). Anything else on the command line goes to the command as it is.
@@ -14,20 +16,23 @@ from __future__ import annotations
 import sys
 import textwrap
 
+BENCH_MOVED = (
+    "the benchmark is not part of the installed package; run it from a checkout of the repository, "
+    "from its root: python -m benchmarks"
+)
+
 
 def main() -> None:
-    """Run the command `sys.argv` names: `report`, `bench`, `configs`, or else the training CLI."""
+    """Run the command `sys.argv` names: `report`, `configs`, or else the training CLI (`bench`: a pointer)."""
     command, rest = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else (None, [])
-    if command in ("report", "bench"):
-        del sys.argv[1:]  # these build the training CLI in-process from `rest`: LightningCLI must not see argv too
-        if command == "report":
-            from lit_packing.packing_report import main as report
+    if command == "report":
+        del sys.argv[1:]  # the report builds the training CLI in-process from `rest`: LightningCLI must not see argv
+        from lit_packing.packing_report import main as report
 
-            report(rest)
-        else:
-            from lit_packing.bench.run import main as bench
-
-            bench(rest)
+        report(rest)
+    elif command == "bench":
+        print(f"error: {BENCH_MOVED}", flush=True)
+        raise SystemExit(2)
     elif command == "configs":
         print_configs()
     else:

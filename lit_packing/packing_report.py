@@ -44,9 +44,9 @@ from lit_packing.samplers import (
     PackPlan,
     RandomBatchSampler,
     SequentialPackingSampler,
-    pack_costs,
     straggler_factor,
 )
+from lit_packing.samplers.multipack import pack_costs
 from lit_packing.samplers.windows import BUFFER_SIZES, windowed_fill
 
 STRAGGLER_RANKS = (2, 8, 64)

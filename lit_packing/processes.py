@@ -19,27 +19,40 @@ import ctypes
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Loaded once, here: a `preexec_fn` runs between fork and exec, where loading a library could deadlock.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def die_with_parent(parent: int | None = None, sig: int = signal.SIGKILL) -> bool:
     """Ask the kernel to send `sig` to this process when its parent dies; True if armed.
 
     Args:
-        parent: the pid the parent had when it started this process: if this process already has another parent
-            (the original one died before the call), it exits now.
+        parent: the pid of the process this one should die with. Armed only when it is this process's parent; if
+            it is already dead (it died before the call: the race between fork and this call), this process exits
+            now; if it is alive but not the parent (a `forkserver` started this process), nothing is armed.
         sig: the signal; SIGKILL by default (a process whose parent is gone has nobody to report to).
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+    if _LIBC is None:
         return False
     if parent is not None and os.getppid() != parent:
-        os._exit(1)
-    return True
+        if not _alive(parent):
+            os._exit(1)
+        return False
+    return _LIBC.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
 @dataclass(frozen=True)
@@ -47,13 +60,17 @@ class EndWithParent:
     """A DataLoader `worker_init_fn` or a subprocess `preexec_fn` that ties the new process to this one.
 
     Created in the parent (it records the parent's pid), called in the child. Picklable, so it also works with the
-    `spawn` and `forkserver` start methods.
+    `spawn` start method; under `forkserver` the parent is the fork server, and nothing is armed (the DataLoader's
+    own check of its parent remains).
     """
 
     parent: int = field(default_factory=os.getpid)
+    then: Callable[[int], None] | None = None  # a DataLoader `worker_init_fn` to run next (Lightning's seeding)
 
     def __call__(self, worker_id: int | None = None) -> None:
         die_with_parent(self.parent)
+        if self.then is not None and worker_id is not None:
+            self.then(worker_id)
 
 
 # The pid of the process that launches a run's other ranks, in their environment (they inherit it).
@@ -68,6 +85,10 @@ def tie_to_launcher() -> None:
         die_with_parent()
     elif os.environ.get("LOCAL_RANK", "0") != "0":
         launcher = os.environ.get(LAUNCHER_PID)
-        die_with_parent(int(launcher) if launcher else None)
+        if launcher and os.getppid() != int(launcher) and not _alive(int(launcher)):
+            print(f"error: rank {os.environ['LOCAL_RANK']}: its launcher (pid {launcher}) is gone", flush=True)
+            os._exit(1)
+        if launcher and os.getppid() == int(launcher):
+            die_with_parent(int(launcher))
     else:
         os.environ[LAUNCHER_PID] = str(os.getpid())

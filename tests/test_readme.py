@@ -11,9 +11,9 @@ name, each in its own order, so that `--ckpt_path` finds the checkpoint an earli
   this suite runs on CPU without network.
 - `lit-packing fit|validate|test|report ...` (the installed command): as `python main.py ...` and
   `python -m lit_packing.packing_report ...`.
-- `python -m lit_packing.packing_report ...`: run as written. `python -m lit_packing.bench ...`: its settings parsed and
+- `python -m lit_packing.packing_report ...`: run as written. `python -m benchmarks ...`: its settings parsed and
   checked (the benchmark itself runs, smoke-sized, in tests/bench/).
-- `python benchmarks/*.py ...`: `--help`, and every option the page passes must be one the script accepts.
+- `python -m benchmarks.<name> ...`: `--help`, and every option the page passes must be one the script accepts.
 - `bash benchmarks/*.sh`: `bash -n` (syntax; the script needs a GPU). `make <target>`: `make -n` (the target exists;
   running it would create a virtual environment).
 - `wandb ...`: listed in NOT_RUN with the reason; any other command fails the test until it is classified.
@@ -191,14 +191,14 @@ def test_documented_command_runs(page, words, scratch, monkeypatch, capsys):
         from lit_packing.packing_report import main
 
         assert main(words[3:])
-    elif words[:3] == ["python", "-m", "lit_packing.bench"]:
-        from lit_packing.bench.run import parse
+    elif words[:3] == ["python", "-m", "benchmarks"]:
+        from benchmarks.run import parse
 
         assert parse(words[3:]).rounds >= 1
-    elif words[0] == "python" and words[1].startswith("benchmarks/"):
-        shown = run([sys.executable, words[1], "--help"]).stdout
-        for option in (w.split("=")[0] for w in words[2:] if w.startswith("--")):
-            assert option in shown, f"{command}: {words[1]} has no {option}"
+    elif words[:2] == ["python", "-m"] and words[2].startswith("benchmarks."):  # from the root, as the pages say
+        shown = run([sys.executable, "-m", words[2], "--help"], cwd=ROOT).stdout
+        for option in (w.split("=")[0] for w in words[3:] if w.startswith("--")):
+            assert option in shown, f"{command}: {words[2]} has no {option}"
     elif words[0] == "bash":
         run(["bash", "-n", str(ROOT / words[1])])
     elif words[0] == "make":
@@ -207,7 +207,7 @@ def test_documented_command_runs(page, words, scratch, monkeypatch, capsys):
         assert " ".join(words[:2]) in NOT_RUN, f"{page}: command not checked by any rule here: {command}"
 
 
-def run(argv: list[str]) -> subprocess.CompletedProcess:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+def run(argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=cwd)
     assert done.returncode == 0, f"{' '.join(argv)}: {done.stderr[-2000:]}"
     return done

@@ -20,7 +20,9 @@ path (`lit_packing.contract.setting_paths`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -55,7 +57,7 @@ from lit_packing.data.tokenize import (
 from lit_packing.errors import ConfigError, DataError, check_range
 from lit_packing.processes import EndWithParent
 from lit_packing.samplers import AUTO, BestFitPackingSampler, PlannedBatchSampler, RunContext
-from lit_packing.samplers import worst_pack as worst_pack_of
+from lit_packing.samplers.base import worst_pack as worst_pack_of
 from lit_packing.text import count, dividing_fix
 
 log = logging.getLogger(__name__)
@@ -815,8 +817,21 @@ class PackingDataModule(LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
-            worker_init_fn=EndWithParent() if self.num_workers else None,  # no worker outlives a killed run
+            worker_init_fn=self._worker_init(),
         )
+
+    def _worker_init(self) -> EndWithParent | None:
+        """No worker outlives a killed run; then Lightning's per-worker seeding, which it adds itself only to a
+        loader without a `worker_init_fn` (`seed_everything(workers=True)`, as the CLI runs it)."""
+        if not self.num_workers:
+            return None
+        seed = None
+        if int(os.environ.get("PL_SEED_WORKERS", 0)):
+            from lightning.fabric.utilities.seed import pl_worker_init_function
+
+            rank = self.trainer.global_rank if self.trainer is not None else 0
+            seed = functools.partial(pl_worker_init_function, rank=rank)
+        return EndWithParent(then=seed)
 
     @staticmethod
     def _require(dataset: TokenizedDataset | None) -> TokenizedDataset:

@@ -183,10 +183,9 @@ def resolve_backend(backend: AttnBackend, device: torch.device | str, needs: Att
 def _explain_auto(device: torch.device, needs: AttentionNeeds) -> None:
     """Say once why `auto` on a GPU falls back to the per-example backend (resolution time, never traced code)."""
     reasons = [flash_attn_status()[1]]
-    refusal = kernel_refusal("torch_varlen", needs)
     if not torch_varlen_available(device):
         reasons.append(f"torch_varlen needs torch >= 2.10 and compute capability >= 8.0 (torch {torch.__version__})")
-    elif refusal is not None:
+    elif (refusal := kernel_refusal("torch_varlen", needs)) is not None:  # only where torch_varlen exists
         reasons.append(f"{refusal} ({needs.model})")
     log.info("attn_backend=auto on %s: per_example, exact but slower than a varlen kernel (%s)", device,
              "; ".join(reasons))  # fmt: skip
@@ -217,19 +216,30 @@ def select_varlen_impl(impl: VarlenImpl, device: torch.device | str) -> str:
         for name in (impl,) if impl != "auto" else _NEWER_IMPLS.get(major, ()):
             try:
                 activate(name)
+                _trial_call(device)  # registered is not runnable: one tiny call on this GPU decides
                 return name
-            except Exception as error:  # its package is missing or does not load on this GPU
+            except Exception as error:  # its package is missing, does not load, or refuses this GPU
+                if nn_attention.current_flash_attention_impl() is not None:
+                    nn_attention.restore_flash_attention_impl()
                 detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 reasons.append(f"{name}: {detail}")
         if impl != "auto":
             raise ConfigError("varlen_impl", f"torch_varlen cannot run {impl} here ({'; '.join(reasons)})",
                               "install its package, or set {varlen_impl}=auto (FA2, built into PyTorch)")  # fmt: skip
-    elif impl != "FA2":
+    elif impl not in ("auto", "FA2"):
         raise ConfigError("varlen_impl", f"{impl} needs torch >= 2.12 (this is {torch.__version__})",
                           "set {varlen_impl}=auto or FA2")  # fmt: skip
     if activate is not None and nn_attention.current_flash_attention_impl() is not None:
         nn_attention.restore_flash_attention_impl()
     return "FA2"
+
+
+def _trial_call(device: torch.device | str) -> None:
+    """One causal bf16 varlen call of two sequences, forward and backward, through what `torch_varlen` runs."""
+    varlen_attn = _load_kernel("torch_varlen")[0]
+    q, k, v = (torch.randn(8, 2, 64, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 3, 8], device=device, dtype=torch.int32)
+    varlen_attn(q, k, v, cu, cu, 5, 5, window_size=(-1, 0)).sum().backward()
 
 
 def available_backends(device: torch.device | str, needs: AttentionNeeds | None = None) -> list[str]:

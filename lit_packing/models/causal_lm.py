@@ -34,18 +34,13 @@ from lightning.pytorch import Callback, LightningModule
 
 from lit_packing._compat import attached_trainer, compiled_graphs, foreach_norm
 from lit_packing.batch import (
-    ATTENTION_MASK,
-    CU_SEQ_LENS_K,
-    CU_SEQ_LENS_Q,
     INPUT_IDS,
     LABELS,
-    MAX_LENGTH_K,
-    MAX_LENGTH_Q,
-    POSITION_IDS,
     ROWS,
     STEP,
     StepShape,
     is_packed,
+    model_inputs,
 )
 from lit_packing.contract import DataContract, DataModelConnection, ModelContract
 from lit_packing.cost import flop_coefficients, model_shape
@@ -81,7 +76,6 @@ from lit_packing.models.memory import (
 
 log = logging.getLogger(__name__)
 
-MODEL_INPUT_KEYS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K)
 # The strategies whose gradient reduction this loss is tested under (each averages gradients over ranks).
 TESTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy")
 Schedule = Literal["cosine", "linear", "constant"]
@@ -177,7 +171,7 @@ class PackedCausalLM(LightningModule):
         # the backend for the host: the construction-time checks below run a forward there.
         guess = "cuda" if torch.cuda.is_available() else "cpu"
         _backend_here(attn_backend, guess)
-        self.attn_backend: str = self._backend_for(self.device)  # the backend in use (`auto` resolved)
+        self.attn_backend: str = self._backend_for(self.device, host=True)  # the backend in use (`auto` resolved)
         self.model = load_causal_lm(
             name_or_path, model_config, vocab_size, dtype, attn_implementation(self.attn_backend), resize_embeddings
         )
@@ -252,11 +246,13 @@ class PackedCausalLM(LightningModule):
             self.hf_model.base_model.compile(dynamic=None)
             self._compiled = True
 
-    def _backend_for(self, device: torch.device) -> str:
-        """The configured backend resolved for `device` and this model: on the host (construction), `auto` and
-        the GPU-only backends run per_example there; on the trainer's device, the backend itself."""
+    def _backend_for(self, device: torch.device, host: bool = False) -> str:
+        """The configured backend resolved for `device` and this model. `host`: the model was just built on the
+        host and runs there until the strategy moves it (its construction-time checks): `auto` and the GPU-only
+        backends run per_example there. On the trainer's device, the configured backend itself (refused where it
+        cannot run)."""
         backend = self.hparams.attn_backend
-        if torch.device(device).type == "cpu" and backend not in ("per_example", "sdpa_mask"):
+        if host and torch.device(device).type == "cpu" and backend not in ("per_example", "sdpa_mask"):
             backend = "auto"
         model = getattr(self, "model", None)
         return _backend_here(backend, device, attention_needs(self.hf_model) if model is not None else None)
@@ -275,9 +271,15 @@ class PackedCausalLM(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint of another model in one line, before Lightning loads its weights (a size mismatch
         would otherwise end in a traceback); a LoRA run's checkpoint lacks the frozen weights by design."""
-        problem = weights_mismatch(checkpoint.get("state_dict", {}), self.state_dict(), self.strict_loading)
+        trainer = self._trainer
+        if "state_dict" not in checkpoint or (
+            trainer is not None and trainer.strategy.restore_checkpoint_after_setup
+        ):  # FSDP loads (and removes) the weights itself, sharded: comparing would gather them on every rank
+            return
+        strict = self.strict_loading and trainer is not None  # `load_from_checkpoint(strict=...)` decides there
+        problem = weights_mismatch(checkpoint["state_dict"], self.state_dict(), strict)
         if problem:
-            path = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
+            path = getattr(trainer, "ckpt_path", None) if trainer is not None else None
             raise AssetError(
                 "--ckpt_path",
                 f"{path or 'the checkpoint'} holds another model than this run builds: {problem}",
@@ -371,13 +373,11 @@ class PackedCausalLM(LightningModule):
 
     def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """Logits (B, T, V) of a packed or padded batch. Never uses a KV cache: a cache disables isolation."""
-        inputs = {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
-        return self.model(**inputs, use_cache=False).logits
+        return self.model(**model_inputs(batch), use_cache=False).logits
 
     def head_inputs(self, batch: Mapping[str, Any]) -> HeadInputs:
         """The final hidden states of a batch with the LM head, for a loss that never builds the (T, V) logits."""
-        inputs = {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
-        hidden = self.hf_model.base_model(**inputs, use_cache=False).last_hidden_state  # (B, T, H)
+        hidden = self.hf_model.base_model(**model_inputs(batch), use_cache=False).last_hidden_state  # (B, T, H)
         config = self.hf_model.config.get_text_config()
         return HeadInputs(
             hidden,

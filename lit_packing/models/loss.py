@@ -223,7 +223,7 @@ def liger_token_loss_sum(inputs: HeadInputs, labels: torch.Tensor) -> tuple[torc
     head = inputs.head
     weight, bias = head.weight, head.bias
     if targets.numel() == 0:
-        zero = hidden.sum() * 0.0 + weight.sum() * 0.0 + (bias.sum() * 0.0 if bias is not None else 0.0)
+        zero = hidden[:0].sum() + weight[:0].sum() + (bias[:0].sum() if bias is not None else 0.0)  # 0, no NaN
         return zero.float(), mask.sum().float()
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 

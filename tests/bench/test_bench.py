@@ -1,4 +1,4 @@
-"""`python -m lit_packing.bench --smoke`: every row runs, and the table's arithmetic holds against the samplers'
+"""`python -m benchmarks --smoke`: every row runs, and the table's arithmetic holds against the samplers'
 plans and the collators' counts (no timing is asserted)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from transformers import AutoModelForCausalLM
 
-from lit_packing.bench.run import BenchSettings, main, parse, plan_runs
-from lit_packing.bench.variants import VARIANTS, RunSpec
+from benchmarks.run import BenchSettings, main, parse, plan_runs
+from benchmarks.variants import VARIANTS, RunSpec
 from lit_packing.configs import composition
 from lit_packing.cost import hardware_flops, model_shape
 from lit_packing.packing_report import configured_data

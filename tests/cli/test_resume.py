@@ -23,7 +23,8 @@ from lit_packing.data.tokenize import column
 
 ROOT = Path(__file__).parents[2]
 MULTINODE = ("configs/gpu.yaml", "configs/multinode.yaml")  # a delta on the GPU config
-DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
+                   "LIT_PACKING_LAUNCHER_PID")  # fmt: skip
 
 # A callback the runs load from tmp_path: it writes every micro-batch's source rows (and may slow the run down, so
 # that the test can kill it at a known point).

@@ -101,9 +101,10 @@ def _spans(cu_q, cu_k):
     return list(zip(bq[:-1], bq[1:], bk[:-1], bk[1:]))
 
 
-def _run(q, k, v, cu_q, cu_k, scale, causal, left, right, softcap, dropout_p, seed, dout=None):
+def _run(q, k, v, cu_q, cu_k, scale, causal, left, right, softcap, dropout_p, seed, dout=None, max_q=None, max_k=None):
     """fp32 forward over every sequence (out (Tq, H, D) with NaN rows, lse (H, Tq)); with `dout`, the analytic
-    backward instead (dq, dk, dv in fp32, NaN rows where no segment covers them)."""
+    backward instead (dq, dk, dv in fp32, NaN rows where no segment covers them). A kernel covers `max_q` queries
+    and `max_k` keys of a sequence: a longer one's rows past them are left unwritten, NaN here."""
     heads = q.shape[1]
     bounds = _spans(cu_q, cu_k)
     keeps = _keep_masks(seed, dropout_p, heads, [(b - a, d - c) for a, b, c, d in bounds])
@@ -137,16 +138,23 @@ def _run(q, k, v, cu_q, cu_k, scale, causal, left, right, softcap, dropout_p, se
         grads[0][a:b] = torch.einsum("hqk,khd->qhd", ds, ks)
         grads[1][c:d] = _fold(torch.einsum("hqk,qhd->khd", ds, qs), k.shape[1])
         grads[2][c:d] = _fold(dv, v.shape[1])
+    for a, b, c, d in bounds:  # what a kernel told a smaller max_seqlen never computes
+        if max_q is not None and b - a > max_q or max_k is not None and d - c > max_k:
+            start = a + (max_q if max_q is not None and b - a > max_q else 0)
+            for x in [out, lse.T] if dout is None else grads[:1]:
+                x[start:b] = float("nan")
     return (out, lse) if dout is None else grads
 
 
-def varlen_forward(q, k, v, cu_q, cu_k, *, scale, causal, left=-1, right=-1, softcap=0.0, dropout_p=0.0, seed=0):
+def varlen_forward(q, k, v, cu_q, cu_k, *, scale, causal, left=-1, right=-1, softcap=0.0, dropout_p=0.0, seed=0,
+                   max_q=None, max_k=None):  # fmt: skip
     """Output in q's dtype (NaN rows where no segment covers q) and the fp32 logsumexp (H, Tq)."""
-    out, lse = _run(q, k, v, cu_q, cu_k, scale, causal, left, right, softcap, dropout_p, seed)
+    out, lse = _run(q, k, v, cu_q, cu_k, scale, causal, left, right, softcap, dropout_p, seed, None, max_q, max_k)
     return out.to(q.dtype), lse
 
 
-def varlen_backward(dout, q, k, v, cu_q, cu_k, *, scale, causal, left=-1, right=-1, softcap=0.0, dropout_p=0.0, seed=0):
+def varlen_backward(dout, q, k, v, cu_q, cu_k, *, scale, causal, left=-1, right=-1, softcap=0.0, dropout_p=0.0, seed=0,
+                    max_q=None, max_k=None):  # fmt: skip
     """dq, dk, dv in q's dtype, from the recomputed fp32 forward; rows no segment covers come back NaN."""
-    grads = _run(q, k, v, cu_q, cu_k, scale, causal, left, right, softcap, dropout_p, seed, dout=dout)
+    grads = _run(q, k, v, cu_q, cu_k, scale, causal, left, right, softcap, dropout_p, seed, dout, max_q, max_k)
     return tuple(g.to(q.dtype) for g in grads)

@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from tests.emulated import kernels
 
 REPO = Path(__file__).resolve().parents[2]
-# flash-attn's Python package, unpacked from its PyPI sdist by `make setup` (nothing compiled).
+# flash-attn's Python package, unpacked from its PyPI sdist by `make emulated` (nothing compiled).
 FLASH_ATTN_SDIST = REPO / "build" / "emulated" / "flash-attn"
 STAND_IN = Path(__file__).resolve().parent / "stand_in"
 
@@ -116,6 +116,7 @@ def _aten_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout
     out, lse = kernels.varlen_forward(
         query, key, value, cum_seq_q, cum_seq_k, scale=query.shape[-1] ** -0.5 if scale is None else scale,
         causal=bool(is_causal) and int(max_q) > 1, left=left, right=right, dropout_p=dropout_p, seed=seed,
+        max_q=int(max_q), max_k=int(max_k),
     )  # fmt: skip
     rng = torch.tensor([seed, 0], dtype=torch.uint64)
     return out, lse, rng, torch.empty(0), torch.empty(0, dtype=query.dtype)
@@ -132,6 +133,7 @@ def _aten_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_s
     return kernels.varlen_backward(
         grad_out, query, key, value, cum_seq_q, cum_seq_k, scale=query.shape[-1] ** -0.5 if scale is None else scale,
         causal=bool(is_causal) and int(max_q) > 1, left=left, right=right, dropout_p=dropout_p, seed=seed,
+        max_q=int(max_q), max_k=int(max_k),
     )  # fmt: skip
 
 
@@ -223,14 +225,22 @@ class SimulatedGPU(contextlib.AbstractContextManager):
         }
 
     def __enter__(self) -> SimulatedGPU:
-        global _ACTIVE
         if _ACTIVE is not None:
             raise RuntimeError("a simulated GPU machine is already active")
         if self.flash_attn and not (FLASH_ATTN_SDIST / "flash_attn" / "flash_attn_interface.py").exists():
             raise RuntimeError(
-                f"flash-attn's Python interface is not unpacked under {FLASH_ATTN_SDIST}: run `make setup` (it takes "
-                "the flash-attn sdist from PyPI, builds nothing)"
+                f"flash-attn's Python interface is not unpacked under {FLASH_ATTN_SDIST}: run `make emulated` (it "
+                "takes the flash-attn sdist from PyPI, builds nothing)"
             )
+        try:
+            self._activate()
+        except BaseException:
+            self._stack.close()  # a machine that failed half-way leaves nothing patched
+            raise
+        return self
+
+    def _activate(self) -> None:
+        global _ACTIVE
         enter = self._stack.enter_context
         patch = self._stack.enter_context
         for name, fn in self._cuda_api().items():
@@ -253,7 +263,6 @@ class SimulatedGPU(contextlib.AbstractContextManager):
         enter(_Placement(self))
         _clear_product_caches()
         self._stack.callback(_clear_product_caches)
-        return self
 
     @staticmethod
     def _deactivate() -> None:

@@ -23,7 +23,10 @@ from tests.models.test_attention import EXTRA_FAMILIES, LENGTHS, MODEL_KEYS, mak
 FAMILIES = {
     **{name: dict(config, vocab_size=1000) for name, config in TINY_CONFIGS.items()},
     **EXTRA_FAMILIES,
-    "gemma2_scaled": dict(EXTRA_FAMILIES["gemma2"], query_pre_attn_scalar=8),  # scale 8**-0.5, not head_dim**-0.5
+    # scale 8**-0.5, not head_dim**-0.5; weights large enough that the scores (about +-5) meet the cap of 1
+    "gemma2_scaled": dict(
+        EXTRA_FAMILIES["gemma2"], query_pre_attn_scalar=8, attn_logit_softcapping=1.0, initializer_range=0.3
+    ),
     "llama_head_dim_12": dict(TINY_CONFIGS["llama"], vocab_size=1000, hidden_size=48),  # 4 heads of 12
 }
 SOFTCAP = ("gemma2", "gemma2_scaled")  # torch_varlen has no softcap: refused (test_findings)

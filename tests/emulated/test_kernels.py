@@ -60,6 +60,36 @@ def test_forward_and_backward_equal_plain_attention(window, softcap, scale):
         torch.testing.assert_close(grad.double(), ref_grad, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_softcap_and_window_are_exact_where_they_bite(window):
+    """fp32 accumulation against fp64 on the same inputs, before the output's rounding: scores of about +-20 under
+    a cap of 2 (the cap changes the output by far more than the tolerance), forward and backward."""
+    q, k, v, cu = inputs(dtype=torch.float32)
+    q = q * 6
+    left = -1 if window is None else window - 1
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = plain(*leaves, cu, scale=0.5, window=window, softcap=2.0)
+    dout = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, leaves, dout)
+    out, _ = kernels._run(q, k, v, cu, cu, 0.5, True, left, -1, 2.0, 0.0, 0)
+    grads = kernels._run(q, k, v, cu, cu, 0.5, True, left, -1, 2.0, 0.0, 0, dout=dout.float())
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    for grad, ref_grad in zip(grads, ref_grads):
+        torch.testing.assert_close(grad.double(), ref_grad, atol=1e-4, rtol=1e-4)
+    uncapped = plain(q.double(), k.double(), v.double(), cu, scale=0.5, window=window)
+    assert (uncapped - ref).abs().max() > 0.1  # the cap bites
+
+
+def test_rows_past_max_seqlen_come_back_nan():
+    """A kernel told a max_seqlen below a sequence's length never computes that sequence's later rows."""
+    q, k, v, cu = inputs()  # lengths 5 1 9 9 3
+    out, _ = kernels.varlen_forward(q, k, v, cu, cu, scale=0.25, causal=True, max_q=6, max_k=9)
+    bounds = cu.tolist()
+    for (a, b), length in zip(zip(bounds[:-1], bounds[1:]), LENGTHS):
+        assert out[a : a + min(length, 6)].isfinite().all()
+        assert out[a + 6 : b].isnan().all()
+
+
 def test_dropout_backward_is_the_gradient_of_the_same_dropped_forward():
     """The backward replays the forward's dropout mask from its seed: it is the exact gradient of that forward."""
     q, k, v, cu = inputs(dtype=torch.float32)

@@ -30,6 +30,7 @@ def varlen_fwd(
     out, lse = kernels.varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, scale=softmax_scale, causal=is_causal,
         left=window_size_left, right=window_size_right, softcap=softcap, dropout_p=p_dropout, seed=seed,
+        max_q=max_seqlen_q, max_k=max_seqlen_k,
     )  # fmt: skip
     if out_ is not None:
         out_.copy_(out)
@@ -53,6 +54,7 @@ def varlen_bwd(
     grads = kernels.varlen_backward(
         dout, q, k, v, cu_seqlens_q, cu_seqlens_k, scale=softmax_scale, causal=is_causal,
         left=window_size_left, right=window_size_right, softcap=softcap, dropout_p=p_dropout, seed=seed,
+        max_q=max_seqlen_q, max_k=max_seqlen_k,
     )  # fmt: skip
     results = []
     for given, grad in zip((dq_, dk_, dv_), grads):

@@ -1,4 +1,4 @@
-from lit_packing.bench.run import main
+from benchmarks.run import main
 
 if __name__ == "__main__":  # not when pytest imports this module for its doctests
     main()

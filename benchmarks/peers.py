@@ -1,6 +1,6 @@
 """The peers' rows: our examples trained by the Hugging Face `Trainer` or TRL's `SFTTrainer`, each on its own path.
 
-    run_peer(spec, result)  # in `python -m lit_packing.bench.worker spec.json result.json`, for a peer's spec
+    run_peer(spec, result)  # in `python -m benchmarks.worker spec.json result.json`, for a peer's spec
 
 The HF Trainer row uses `DataCollatorWithFlattening` and the model's stock `sdpa` attention on exactly our mini-batches
 (its sampler set to `sequential` over the examples in our batch order); the TRL row uses `SFTTrainer` with
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import step_ended, validate, variant_cli
+from benchmarks.variants import VARIANTS, RunResult, RunSpec, check_installed
 from lit_packing.assets import resolve_pretrained
 from lit_packing.batch import IGNORE_INDEX, INPUT_IDS, LABELS
-from lit_packing.bench.variants import VARIANTS, RunResult, RunSpec, check_installed
-from lit_packing.bench.worker import step_ended, validate, variant_cli
 from lit_packing.cost import hardware_flops, model_shape
 
 

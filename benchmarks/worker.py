@@ -1,6 +1,6 @@
 """One benchmark run, in a process of its own (so that its peak memory is its own):
 
-    python -m lit_packing.bench.worker spec.json result.json
+    python -m benchmarks.worker spec.json result.json
 
 Ours run through `main.py fit`'s own path (the LightningCLI parser on the variant's config, `Trainer.fit`); the peers
 through their own trainers (`peers.py`, imported only for a peer's run). Every run records the clock at the end of
@@ -12,51 +12,16 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback
 
+from benchmarks.common import step_ended, variant_cli
+from benchmarks.variants import VARIANTS, RunResult, RunSpec
 from lit_packing.batch import COUNTS
-from lit_packing.bench.variants import VARIANTS, RunResult, RunSpec
-from lit_packing.callbacks.throughput import peak_memory_gb
-from lit_packing.cli import PackingCLI, cli_main
 from lit_packing.cost import hardware_flops, model_shape
 from lit_packing.packing_report import configured_stats
-
-CLEAR_REFS, STATUS = "/proc/self/clear_refs", "/proc/self/status"
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    """Start measuring peak memory anew: CUDA's allocator statistics, or (Linux) the process's peak resident set."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    elif Path(CLEAR_REFS).exists():
-        Path(CLEAR_REFS).write_text("5")  # resets VmHWM to the current resident set
-
-
-def peak_memory(device: torch.device) -> float:
-    """GiB: CUDA's peak allocated, or the peak resident set since `reset_peak_memory` (Linux; else since start)."""
-    if device.type == "cuda" or not Path(STATUS).exists():
-        return peak_memory_gb(device)
-    line = next(x for x in Path(STATUS).read_text().splitlines() if x.startswith("VmHWM:"))
-    return int(line.split()[1]) / 2**20  # kB
-
-
-def step_ended(result: RunResult, device: torch.device) -> None:
-    """The end of an optimizer step: the clock, and the peak memory measured from the end of the warm-up."""
-    _synchronize(device)
-    result.step_end.append(time.perf_counter())
-    if len(result.step_end) == result.warmup_steps:
-        reset_peak_memory(device)
-    if len(result.step_end) == result.steps:  # before validation, which the fit runs next
-        result.peak_memory_gb = peak_memory(device)
 
 
 class StepClock(Callback):
@@ -82,17 +47,6 @@ class StepClock(Callback):
         self.result.loss = [float(x) for x in self._losses]
 
 
-def variant_cli(spec: RunSpec) -> PackingCLI:
-    """The CLI (model, data module, trainer; not run) of the spec's variant config with the benchmark's overrides."""
-    return cli_main([*VARIANTS[spec.variant].config_args(), *spec.overrides()], run=False)
-
-
-def validate(cli: PackingCLI) -> float:
-    """The validation loss of the CLI's model on its held-out examples."""
-    metrics = cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
-    return float(metrics[0]["val/loss"])
-
-
 def run_ours(spec: RunSpec, result: RunResult) -> None:
     cli = variant_cli(spec)
     trainer = cli.trainer
@@ -115,7 +69,7 @@ def run(spec: RunSpec) -> RunResult:
     if VARIANTS[spec.variant].kind == "lit_packing":
         run_ours(spec, result)
     else:
-        from lit_packing.bench.peers import run_peer  # the peers' trainers (and TRL) load only for their rows
+        from benchmarks.peers import run_peer  # the peers' trainers (and TRL) load only for their rows
 
         run_peer(spec, result)
     if len(result.step_end) != spec.steps:

@@ -1,4 +1,4 @@
-"""`python -m lit_packing.bench`: padding, the paper's packing variants, ours and the peers, trained side by side.
+"""`python -m benchmarks`: padding, the paper's packing variants, ours and the peers, trained side by side.
 
 Every row trains the same examples from the same initial weights with the same optimizer, for `warmup_steps + steps`
 optimizer steps, each run in a fresh process; rounds are interleaved (round r runs every row, in an order rotated by
@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -24,8 +23,9 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from lit_packing.bench.report import Report
-from lit_packing.bench.variants import INSTALL_BENCH, VARIANTS, RunResult, RunSpec, check_installed
+from benchmarks.common import child_env, module_command
+from benchmarks.report import Report
+from benchmarks.variants import INSTALL_BENCH, VARIANTS, RunResult, RunSpec, check_installed
 from lit_packing.cli import quiet_defaults
 from lit_packing.errors import ConfigError, LitPackingError
 from lit_packing.processes import EndWithParent
@@ -165,8 +165,8 @@ def run_isolated(spec: RunSpec, logs: Path) -> RunResult:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as f:
         done = subprocess.run(
-            [sys.executable, "-m", "lit_packing.bench.worker", str(spec_file), str(result_file)],
-            stdout=f, stderr=subprocess.STDOUT, env=env, check=False, preexec_fn=EndWithParent(),
+            module_command("worker", str(spec_file), str(result_file)),
+            stdout=f, stderr=subprocess.STDOUT, env=child_env(env), check=False, preexec_fn=EndWithParent(),
         )  # fmt: skip
     if done.returncode != 0 or not result_file.exists():
         tail = "\n".join(log.read_text().splitlines()[-25:])
@@ -203,7 +203,7 @@ def _cpu_name() -> str:
 
 
 def parse(argv: list[str] | None) -> BenchSettings:
-    parser = ArgumentParser(prog="python -m lit_packing.bench", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML of the settings below")
     parser.add_class_arguments(BenchSettings, skip={"smoke"})
     parser.add_argument("--smoke", action="store_true", help="a wiring check: tiny model, few examples and steps")

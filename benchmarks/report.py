@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from lit_packing.bench.variants import BASELINE, PAPER_METHOD, PEER, VARIANTS, RunResult
+from benchmarks.variants import BASELINE, PAPER_METHOD, PEER, VARIANTS, RunResult
 
 PAPER = "paper (A100, FLAN-like data): mini-batch packing + position ids ~1.9x padding's throughput"
 

@@ -1,0 +1,66 @@
+"""docs/core.md's two programs, run as they are: a plain PyTorch loop on the Lightning-free core trains, and a Hugging
+Face `Trainer` fed by the best-fit sampler and the packed collator gives, step by step, the losses of the Lightning
+path (`PackedCausalLM` on the same packs)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, Trainer
+from torch.utils.data import DataLoader
+
+from lit_packing.core import BestFitPackingSampler, PackedCollator, attach_step
+from lit_packing.models import PackedCausalLM
+
+PAGE = Path(__file__).parents[1] / "docs" / "core.md"
+
+
+def programs() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S)
+
+
+def test_the_page_has_the_two_programs():
+    assert len(programs()) == 2
+
+
+def test_the_plain_pytorch_loop_trains(capsys):
+    namespace: dict = {}
+    exec(compile(programs()[0], str(PAGE), "exec"), namespace)
+    losses = namespace["losses"]
+    assert len(losses) >= 4 and losses[-1] < losses[0] - 0.1  # it learns (from ~10.8, ln of the vocabulary)
+    assert f"{len(losses)} packed steps" in capsys.readouterr().out
+
+
+class StepLosses(Callback):
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+
+def test_the_hugging_face_trainer_gives_the_lightning_paths_losses(tmp_path):
+    namespace: dict = {}
+    exec(compile(programs()[0] + programs()[1], str(PAGE), "exec"), namespace)
+    hf_losses = namespace["trainer"].step_losses
+    assert len(hf_losses) == 4
+
+    torch.manual_seed(0)  # the Trainer's starting weights, as the page made them
+    start = namespace["AutoModelForCausalLM"].from_config(namespace["config"])
+    start.save_pretrained(tmp_path / "start")
+    lm = PackedCausalLM(
+        name_or_path=str(tmp_path / "start"), lr=1e-3, betas=(0.9, 0.95), scheduler="constant", memory_check=False
+    )
+    examples = namespace["examples"]
+    sampler = BestFitPackingSampler(examples["length"], max_tokens=512, seed=0, shuffle=False)
+    collate = PackedCollator()
+    loader = DataLoader(examples, batch_sampler=sampler, collate_fn=lambda rows: attach_step([collate(rows)])[0])
+    record = StepLosses()
+    Trainer(
+        accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[record], log_every_n_steps=1,
+    ).fit(lm, loader)  # fmt: skip
+    assert len(record.losses) == 4
+    torch.testing.assert_close(torch.tensor(hf_losses), torch.tensor(record.losses), rtol=1e-5, atol=1e-5)
