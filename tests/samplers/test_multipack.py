@@ -23,9 +23,9 @@ from lit_packing.samplers import (
     MultipackSampler,
     RunContext,
     kernels,
-    pack_costs,
     straggler_factor,
 )
+from lit_packing.samplers.multipack import pack_costs
 
 MAX_TOKENS = 64
 COEFFICIENTS = (1.0, 0.5)  # small budgets: make the L^2 term count as much as at real scale
