@@ -128,17 +128,17 @@ def tiny_llama_config() -> dict:
 @pytest.fixture
 def encoder_calls(monkeypatch):
     """Counts the batches the tokenizer really encodes (zero when the tokenization cache is used): `.calls`."""
-    from lit_packing.data import tokenize
+    from lit_packing.data import encode
 
     class Calls:
         calls = 0
 
     counter = Calls()
-    original = tokenize._Encoder.__call__
+    original = encode.Encoder.__call__
 
     def counted(encoder, batch, indices):
         counter.calls += 1
         return original(encoder, batch, indices)
 
-    monkeypatch.setattr(tokenize._Encoder, "__call__", counted)
+    monkeypatch.setattr(encode.Encoder, "__call__", counted)
     return counter

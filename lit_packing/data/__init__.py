@@ -9,13 +9,15 @@ from importlib import import_module
 _HOMES = {
     "collate": ("PackedCollator", "PaddedCollator"),
     "datamodule": ("PackingDataModule", "split_rows"),
-    "sources": (
-        "ChampChats", "ChampProblems", "Chatterbot", "HFDataset", "HumanEval", "LitData", "Shard", "Source",
-        "StateOfTheUnion", "example_shape",
-    ),
+    "encode": ("DEFAULT_CHAT_TEMPLATE",),
     "mixture": ("Mixture",),
+    "packaged": ("ChampChats", "ChampProblems", "Chatterbot", "HumanEval", "StateOfTheUnion"),
+    "report": ("TokenizationReport",),
+    "shapes": ("example_shape",),
+    "shards": ("Shard",),
+    "sources": ("HFDataset", "LitData", "Source"),
     "stream": ("StreamLoader",),
-    "tokenize": ("DEFAULT_CHAT_TEMPLATE", "TokenizationReport", "TokenizedDataset", "tokenize_dataset"),
+    "tokenize": ("TokenizedDataset", "tokenize_dataset"),
 }  # fmt: skip
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_MODULE_OF)

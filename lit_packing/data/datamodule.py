@@ -39,7 +39,8 @@ from lit_packing.batch import INPUT_IDS, StepShape
 from lit_packing.contract import DataContract, ModelContract, setting_paths
 from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.data.mixture import Mixture
-from lit_packing.data.sources import ChampChats, Source
+from lit_packing.data.packaged import ChampChats
+from lit_packing.data.sources import Source
 from lit_packing.data.stream import Stream, StreamLoader, TokenizeRules, Window, held_out, members, split_id
 from lit_packing.data.tokenize import (
     INDEX,

