@@ -17,6 +17,7 @@ from benchmarks.run import BenchSettings, main
 from benchmarks.variants import INSTALL_BENCH, VARIANTS
 from lit_packing.configs import DELTAS, composition
 from lit_packing.errors import ConfigError
+from tests.test_layers import import_cycles
 
 ROOT = Path(__file__).parents[2]
 MODULES = {f"benchmarks.{p.stem}": p for p in sorted((ROOT / "benchmarks").glob("*.py")) if p.stem != "__init__"}
@@ -90,21 +91,7 @@ def test_the_benchmark_imports_have_no_cycle():
     """Not even through a function body's import (`worker` imports `peers` for a peer's row): what two benchmark
     modules share is in `benchmarks.common`."""
     graph = {name: sorted((imported(path) & set(MODULES)) - {name}) for name, path in MODULES.items()}
-    state: dict[str, str] = {}
-    cycles = []
-
-    def walk(node: str, path: list[str]) -> None:
-        state[node] = "open"
-        for nxt in graph[node]:
-            if state.get(nxt) == "open":
-                cycles.append(" -> ".join([*path[path.index(nxt) :], nxt]))
-            elif nxt not in state:
-                walk(nxt, [*path, nxt])
-        state[node] = "done"
-
-    for module in sorted(graph):
-        if module not in state:
-            walk(module, [module])
+    cycles = import_cycles(graph)
     assert not cycles, "\n".join(cycles)
     assert graph["benchmarks.common"] == ["benchmarks.variants"]  # the shared helpers import no other benchmark
 
