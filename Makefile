@@ -44,6 +44,7 @@ emulated: $(FLASH_ATTN_PY)
 $(FLASH_ATTN_PY): | $(STAMP)
 	@echo "==> flash-attn's Python interface for the emulated-GPU tests (sdist, not built)"
 	mkdir -p $(EMULATED)
+	$(PY) -m pip install -q wheel  # flash-attn's setup.py, asked for the sdist's metadata, imports it
 	test -f $(EMULATED)/$(FLASH_ATTN_SDIST) || FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE $(PY) -m pip download -q --no-deps \
 	  --no-binary :all: --no-build-isolation -d $(EMULATED) "flash-attn==2.8.3"
 	echo "$(FLASH_ATTN_SHA256)  $(EMULATED)/$(FLASH_ATTN_SDIST)" | sha256sum -c --quiet
