@@ -463,8 +463,11 @@ def _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, wind
     if softcap is not None:
         kwargs["softcap"] = softcap
     q, k, v, back = _half_inputs(q, k, v)
+    cu_q, cu_k = _int32(cu_q), _int32(cu_k)
+    if cu_k is cu_q:  # one tensor given twice to an autograd.Function: torch.compile breaks the graph there
+        cu_k = cu_q.clone()
     out = flash_attn_varlen_func(
-        q, k, v, _int32(cu_q), _int32(cu_k), _max_length(cu_q, max_q), _max_length(cu_k, max_k), **kwargs
+        q, k, v, cu_q, cu_k, _max_length(cu_q, max_q), _max_length(cu_k, max_k), **kwargs
     )  # GQA is native: k/v keep their Hkv heads; flash-attn pads a head_dim that is not a multiple of 8 itself
     return out if back is None else out.to(back)
 
