@@ -71,20 +71,29 @@ class AttentionNeeds:
     softcap: bool = False  # attention logit soft-capping (Gemma 2/3)
     dropout: bool = False  # attention dropout while training
     sliding_window: bool = False
+    sinks: bool = False  # attention sinks: one more logit per head (gpt-oss `s_aux`) or per query (`sinks`)
+    position_bias: bool = False  # an additive (B, H, T, T) score bias (relative positions)
 
 
-def attention_needs(model: torch.nn.Module) -> AttentionNeeds:
+def attention_needs(model: torch.nn.Module, keywords: frozenset[str] = frozenset()) -> AttentionNeeds:
+    """What `model` asks of attention: from its config, and from the `keywords` its layers were seen to pass the
+    attention function (`lit_packing.models.probe`, which records them on the model at construction)."""
     config = model.config.get_text_config()
+    keywords = keywords or getattr(model, "_lit_packing_attention_keywords", frozenset())
     return AttentionNeeds(
         model=type(model).__name__,
-        softcap=bool(getattr(config, "attn_logit_softcapping", None)),
+        softcap=bool(getattr(config, "attn_logit_softcapping", None)) or "softcap" in keywords,
         dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0,
         sliding_window=getattr(config, "sliding_window", None) is not None,
+        sinks=bool(keywords & {"s_aux", "sinks"}),
+        position_bias="position_bias" in keywords,
     )
 
 
 def kernel_refusal(backend: str, needs: AttentionNeeds) -> str | None:
     """Why `backend`'s kernel cannot run a model with these needs, or None."""
+    if backend in ("flash_attn", "torch_varlen") and (needs.sinks or needs.position_bias):
+        return f"{backend} has no {'attention sinks' if needs.sinks else 'position bias'}"
     if backend != "torch_varlen":
         return None  # flash_attn takes softcap, dropout and windows; the per-example backends take everything
     if needs.softcap:
@@ -277,6 +286,34 @@ def register_backends() -> None:
         AttentionMaskInterface.register(name, _padding_only_mask)
 
 
+# What the packed backends do with each keyword a model's layers hand the attention function: honoured, or
+# without effect on the result. Anything else is refused at construction (`isolation.probe_packing`).
+HONOURED_KEYWORDS = frozenset({
+    "attention_mask", "dropout", "scaling", "sliding_window", "softcap", "is_causal", "position_ids",
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "s_aux", "sinks", "position_bias",
+})  # fmt: skip
+INERT_KEYWORDS = frozenset({
+    "use_cache", "output_attentions", "output_router_logits", "output_hidden_states", "return_dict",
+    "cache_position", "layer_idx", "past_key_values", "cache", "position_embeddings",
+})  # fmt: skip
+PROBE_NAME = "packed_probe"
+
+
+def register_probe(seen: set[str]) -> str:
+    """Register the per_example backend under `PROBE_NAME`, adding to `seen` every keyword it is handed with a
+    value (and `PROBE_NAME` itself once it is called); return the name."""
+    forward = _attention_forward(_per_example)
+
+    def probe(*args, **kwargs):
+        seen.add(PROBE_NAME)
+        seen.update(key for key, value in kwargs.items() if value is not None)
+        return forward(*args, **kwargs)
+
+    AttentionInterface.register(PROBE_NAME, probe)
+    AttentionMaskInterface.register(PROBE_NAME, _padding_only_mask)
+    return PROBE_NAME
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The function transformers calls in every attention layer
 
@@ -306,21 +343,23 @@ def _attention_forward(kernel: VarlenFn) -> Callable:
         max_length_k: int | None = None,
         position_ids: torch.Tensor | None = None,
         s_aux: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+        position_bias: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         if attention_mask is not None:  # a padded batch: the (B, 1, T, T) mask sdpa_mask built
-            if softcap is not None:
-                raise ConfigError(
-                    "attn_backend",
-                    "padded batches run sdpa, which has no softcap",
-                    "use packed batches (PackedCollator)",
+            if softcap is None and s_aux is None and sinks is None and position_bias is None:
+                return sdpa_attention_forward(
+                    module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal
                 )
-            return sdpa_attention_forward(
-                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal
-            )
-        if s_aux is not None:
-            raise ConfigError("attn_backend", "attention sinks (s_aux) are not supported by the packed backends")
-        batch, _, seq, _ = query.shape
+            sink = s_aux.reshape(1, -1, 1).expand(query.shape[0], -1, query.shape[2]) if s_aux is not None else None
+            out = _attend(
+                query, key, value, causal=False, scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+                window=None, softcap=softcap, dropout=dropout, mask=attention_mask.bool(),
+                sink=sink if sinks is None else sinks[..., 0], bias=position_bias,
+            )  # fmt: skip
+            return out.transpose(1, 2), None
+        batch, heads, seq, _ = query.shape
         if cu_seq_lens_q is None and key.shape[2] != seq:  # decoding with a KV cache (generate): one sequence a row
             return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling)
         if cu_seq_lens_q is None:
@@ -329,6 +368,12 @@ def _attention_forward(kernel: VarlenFn) -> Callable:
         elif batch != 1:
             raise ValueError(f"a packed batch has one row, got input_ids of shape ({batch}, {seq})")
         q, k, v = (x.transpose(1, 2).reshape(batch * seq, x.shape[1], x.shape[3]) for x in (query, key, value))
+        extras = {}
+        if s_aux is not None or sinks is not None:  # per token and head: (B * T, H)
+            sink = s_aux.reshape(1, heads).expand(batch * seq, heads) if s_aux is not None else None
+            extras["sink"] = sink if sink is not None else sinks[..., 0].transpose(1, 2).reshape(batch * seq, heads)
+        if position_bias is not None:
+            extras["bias"] = position_bias.expand(batch, heads, seq, key.shape[2])
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         out = kernel(
             q,
@@ -343,6 +388,7 @@ def _attention_forward(kernel: VarlenFn) -> Callable:
             window=sliding_window,
             softcap=softcap,
             dropout=dropout,
+            **extras,
         )
         return out.reshape(batch, seq, *out.shape[1:]), None
 
@@ -455,7 +501,10 @@ def _load_kernel(backend: str) -> tuple[Callable, frozenset]:
     return _LOADED[backend]
 
 
-def _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout):
+def _flash_attn_varlen(
+    q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout, sink=None, bias=None
+):
+    _refuse_extras("flash_attn", sink, bias)
     flash_attn_varlen_func = (_LOADED.get("flash_attn") or _load_kernel("flash_attn"))[0]
     kwargs = {"dropout_p": dropout, "softmax_scale": scale, "causal": causal}
     if window is not None:
@@ -472,7 +521,8 @@ def _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, wind
     return out if back is None else out.to(back)
 
 
-def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout):
+def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout, sink=None, bias=None):
+    _refuse_extras("torch_varlen", sink, bias)
     varlen_attn, params = _LOADED.get("torch_varlen") or _load_kernel("torch_varlen")
     if dropout > 0:
         raise ConfigError(
@@ -514,6 +564,13 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, s
     return out if back is None else out.to(back)
 
 
+def _refuse_extras(backend: str, sink: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+    """The FlashAttention kernels take no sinks and no score bias (`kernel_refusal` keeps `auto` from them)."""
+    if sink is not None or bias is not None:
+        what = "attention sinks" if sink is not None else "a position bias"
+        raise ConfigError("attn_backend", f"{backend} has no {what}", "set {attn_backend}=auto or per_example")
+
+
 def _same_boundaries(cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:
     if cu_k is not cu_q and not torch.equal(cu_q, cu_k):
         raise ConfigError(
@@ -521,10 +578,12 @@ def _same_boundaries(cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:
         )
 
 
-def _attend(q, k, v, *, causal, scale, window, softcap, dropout, mask=None) -> torch.Tensor:
+def _attend(q, k, v, *, causal, scale, window, softcap, dropout, mask=None, sink=None, bias=None) -> torch.Tensor:
     """Attention over (m, H, L, D) batches of equal-length sequences, k/v (m, Hkv, L, D); GQA handled.
 
-    `mask` (L, L) or (m, 1, L, L), True = attend, replaces the causal / window pattern when given.
+    `mask` (L, L) or (m, 1, L, L), True = attend, replaces the causal / window pattern when given. `bias`
+    (m, H, L, L) is added to the scores; `sink` (m, H, L) is one more logit per query, whose value is zero: it only
+    takes probability mass (attention sinks).
     """
     length = q.shape[2]
     gqa = k.shape[1] != q.shape[1]
@@ -532,20 +591,27 @@ def _attend(q, k, v, *, causal, scale, window, softcap, dropout, mask=None) -> t
         i = torch.arange(length, device=q.device)
         dist = i[:, None] - i[None, :]
         mask = ((dist >= 0) & (dist < window)) if causal else (dist.abs() < window)
-    if softcap is None:
+    if softcap is None and sink is None and bias is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal and mask is None, scale=scale, enable_gqa=gqa
         )
-    # Softcap (Gemma 2/3) has no SDPA kernel: plain math, still per example.
+    # Softcap (Gemma 2/3), a score bias and sinks have no SDPA kernel: plain math, still per example.
     if gqa:
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias
     if mask is None and causal:
         mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sink is not None:
+        scores = torch.cat([scores, sink[..., None].to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     probs = F.dropout(probs, p=dropout, training=dropout > 0)
     return torch.matmul(probs, v)
 
@@ -553,7 +619,7 @@ def _attend(q, k, v, *, causal, scale, window, softcap, dropout, mask=None) -> t
 _PLAN_CACHE: dict = {}
 
 
-def _length_groups(cu: torch.Tensor) -> tuple[list[tuple[int, list[int], torch.Tensor | None]], torch.Tensor | None]:
+def length_groups(cu: torch.Tensor) -> tuple[list[tuple[int, list[int], torch.Tensor | None]], torch.Tensor | None]:
     """Group the examples by length: [(L, starts, token_index (m * L,) or None when m == 1)] and the permutation
     that puts the group outputs, concatenated, back in token order (None when nothing needs moving).
 
@@ -580,27 +646,42 @@ def _length_groups(cu: torch.Tensor) -> tuple[list[tuple[int, list[int], torch.T
     return _memo(_PLAN_CACHE, cu, "groups", build)
 
 
-def _per_example(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout):
+def _per_example(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout, sink=None, bias=None):
     """Exact per-example attention on any device: one SDPA call per distinct example length, cost sum(L^2)."""
     _same_boundaries(cu_q, cu_k)
-    groups, inverse = _length_groups(cu_q)
+    groups, inverse = length_groups(cu_q)
     opts = {"causal": causal, "scale": scale, "window": window, "softcap": softcap, "dropout": dropout}
     outs = []
     for length, starts, index in groups:
+        rows = index if index is not None else torch.arange(starts[0], starts[0] + length, device=q.device)
         if index is None:  # a single example: a view, no gather
             parts = [x.narrow(0, starts[0], length).unsqueeze(0) for x in (q, k, v)]
         else:
             parts = [x.index_select(0, index).view(len(starts), length, *x.shape[1:]) for x in (q, k, v)]
         qg, kg, vg = (x.transpose(1, 2) for x in parts)  # (m, H, L, D)
+        if sink is not None:  # (T, H) -> (m, H, L)
+            opts["sink"] = sink.index_select(0, rows).view(len(starts), length, -1).transpose(1, 2)
+        if bias is not None:  # (B, H, T, T) -> the (m, H, L, L) blocks of the examples
+            opts["bias"] = _bias_blocks(bias, rows.view(len(starts), length))
         outs.append(_attend(qg, kg, vg, **opts).transpose(1, 2).reshape(-1, *q.shape[1:]))
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out if inverse is None else out.index_select(0, inverse)
 
 
+def _bias_blocks(bias: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The (m, H, L, L) diagonal blocks of a (B, H, T, T) score bias for examples at flat token `rows` (m, L)."""
+    seq = bias.shape[2]
+    row, pos = rows // seq, rows % seq
+    blocks = bias[row[:, :, None], :, pos[:, :, None], pos[:, None, :]]  # (m, L, L, H)
+    return blocks.permute(0, 3, 1, 2)
+
+
 _MASK_CACHE: dict = {}
 
 
-def _sdpa_block_mask(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout):
+def _sdpa_block_mask(
+    q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout, sink=None, bias=None
+):
     """The reference: one SDPA call over all T tokens with a dense (T, T) block-diagonal mask. Cost T^2."""
     _same_boundaries(cu_q, cu_k)
     total = q.shape[0]
@@ -618,5 +699,12 @@ def _sdpa_block_mask(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window
 
     mask = _memo(_MASK_CACHE, cu_q, (causal, window), build)
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, H, T, D)
-    out = _attend(qh, kh, vh, causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout, mask=mask)
+    extras = {}
+    if sink is not None:
+        extras["sink"] = sink.transpose(0, 1).unsqueeze(0)  # (1, H, T)
+    if bias is not None:
+        extras["bias"] = _bias_blocks(bias, torch.arange(total, device=q.device)[None])
+    out = _attend(
+        qh, kh, vh, causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout, mask=mask, **extras
+    )
     return out[0].transpose(0, 1)

@@ -56,7 +56,7 @@ from lit_packing.models.attention import (
     resolve_backend,
     select_varlen_impl,
 )
-from lit_packing.models.isolation import check_isolation, check_packed_batch
+from lit_packing.models.isolation import check_isolation, check_packed_batch, probe_packing
 from lit_packing.models.loading import DType, apply_lora, load_causal_lm, no_decay_parameter_ids
 from lit_packing.models.loss import (
     HeadInputs,
@@ -175,6 +175,9 @@ class PackedCausalLM(LightningModule):
         self.model = load_causal_lm(
             name_or_path, model_config, vocab_size, dtype, attn_implementation(self.attn_backend), resize_embeddings
         )
+        # What its layers hand attention (sinks, a position bias), and whether packed examples stay apart in every
+        # layer: one tiny packed forward on the host, refused in one line naming the module that fails.
+        self.model._lit_packing_attention_keywords = probe_packing(self.model, check=isolation_check)
         with _named_model_settings():  # a backend that cannot run this model (softcap on torch_varlen, ...)
             _backend_here(attn_backend, guess, attention_needs(self.model))
         if gradient_checkpointing:

@@ -1,8 +1,13 @@
-"""Guards against packed examples seeing each other: a cheap host-side check of every batch, and a self-test of
-the real model and backend before the first training step.
+"""Guards against packed examples seeing each other: a probe of the model at construction, a cheap host-side check
+of every batch, and a self-test of the real model and backend before the first training step.
 
+    probe_packing(model)                             # at construction: a tiny packed forward on the host
     check_packed_batch(batch)                       # every batch, on the host, before the transfer
     check_isolation(model, batch, "per_example")     # once: packed forward == forward of each example alone
+
+When packed and per-example outputs differ, `find_leak` names the first module whose output differs (with forward
+hooks on every module, the packed run split at the boundaries against each example's run): the mixer, attention or
+position embedding that lets examples see each other, e.g. `model.layers.0.mamba (BambaMixer)`.
 
 The failures they catch are silent otherwise: a 2D attention_mask that makes transformers drop
 packed isolation (transformers#46634), position ids that run on across examples, a backend that ignores
@@ -31,8 +36,18 @@ from lit_packing.batch import (
     POSITION_IDS,
     is_packed,
 )
-from lit_packing.errors import IsolationError
-from lit_packing.models.attention import compute_dtype
+from lit_packing.errors import ConfigError, IsolationError
+from lit_packing.models.attention import (
+    HONOURED_KEYWORDS,
+    INERT_KEYWORDS,
+    PROBE_NAME,
+    compute_dtype,
+    register_probe,
+)
+from lit_packing.models.mixers import MIXER_CLASS
+
+# What to do when a module keeps packed examples from being isolated.
+PADDED_FIX = "or train it padded: --config configs/padding.yaml (data.collator: lit_packing.data.PaddedCollator)"
 
 # Allowed max |packed - per-example| of the logits, relative to max(1, max |logits|), by compute dtype. Packed and
 # per-example fp32 agree to ~1e-6 (different kernels, same math); examples that see each other differ by far more.
@@ -187,15 +202,186 @@ def check_isolation(
     diff = float((packed - per_example).abs().max())
     scale = max(1.0, float(per_example.abs().max()))
     dtype = compute_dtype(backend, _compute_dtype(model))  # a kernel below the model's precision: judge by it
-    tol = (rtol if rtol is not None else ISOLATION_RTOL.get(dtype, 5e-2)) * scale
+    relative = rtol if rtol is not None else ISOLATION_RTOL.get(dtype, 5e-2)
+    tol = relative * scale
     if not diff <= tol:  # also catches nan
+        where = _blame(find_leak(model, small, reference, relative), base)
         raise IsolationError(
             f"isolation self-test failed for attn_backend={backend}: packed logits differ from per-example logits "
             f"by max abs {diff:.3g} > tolerance {tol:.3g} ({dtype}, {len(cu) - 1} examples, {cu[-1]} tokens). "
-            "Examples attend to each other or see wrong positions: check the collator's position_ids / cu_seq_lens "
-            "and the backend; isolation_check=false switches this test off"
+            f"{where}; isolation_check=false switches this test off"
         )
     return diff
+
+
+@torch.no_grad()
+def find_leak(
+    model: torch.nn.Module, small: Mapping[str, Any], reference: str, rtol: float
+) -> tuple[str, torch.nn.Module, float] | None:
+    """The first module (in the order modules finish) whose output on the packed row differs from its outputs on
+    each example alone: `(qualified name, module, max abs difference)`, or None when every module agrees (then the
+    logits differ only in how they are put together: the positions or the boundaries given).
+
+    Both runs are hooked on every module; a module's output counts when it has a token axis (shape (1, T, ...)
+    packed, (1, L, ...) alone); a module called more than once per forward is compared on its first call.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cu = small[CU_SEQ_LENS_Q].cpu().tolist()
+    total, n = cu[-1], len(cu) - 1
+    packed: dict[str, torch.Tensor] = {}
+    alone: dict[str, list[torch.Tensor]] = {}
+    order: list[str] = []
+    modules = {name: module for name, module in base.named_modules() if name}
+    tokens = {"want": total, "into": None}
+
+    def hook(name: str):
+        def record(module, args, output):
+            out = output[0] if isinstance(output, tuple) and output else output
+            if not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape[0] != 1:
+                return
+            if out.shape[1] != tokens["want"]:
+                return
+            if tokens["into"] is None:
+                if name not in packed:
+                    packed[name] = out[0].detach().float()
+                    order.append(name)
+            elif len(alone.setdefault(name, [])) < tokens["into"] + 1:
+                alone[name].append(out[0].detach().float())
+
+        return record
+
+    handles = [module.register_forward_hook(hook(name)) for name, module in modules.items()]
+    was_training = model.training
+    model.eval()
+    try:
+        with contextlib.suppress(Exception):  # a packed forward that raises: the modules it finished are compared
+            model(**small, use_cache=False)
+        with attn_implementation_set(base, reference):
+            for i, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+                tokens.update(want=end - start, into=i)
+                ids = small[INPUT_IDS][:, start:end]
+                model(input_ids=ids, position_ids=torch.arange(end - start, device=ids.device)[None], use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    for name in order:
+        outs = alone.get(name, [])
+        if len(outs) != n:
+            continue
+        mine, theirs = packed[name], torch.cat(outs)
+        if mine.shape != theirs.shape:
+            continue
+        diff = float((mine - theirs).abs().max())
+        if not diff <= rtol * max(1.0, float(theirs.abs().max())):
+            return name, modules[name], diff
+    return None
+
+
+def _blame(leak: tuple[str, torch.nn.Module, float] | None, base: torch.nn.Module) -> str:
+    """What lets examples see each other, and what to do, from `find_leak`'s answer."""
+    if leak is None:
+        return (
+            "Every module agrees with the examples run alone, so the positions or boundaries given are wrong: check "
+            "the collator's position_ids / cu_seq_lens"
+        )
+    name, module, diff = leak
+    owner = _mixing_module(name, base)
+    what = f"{owner} ({type(base.get_submodule(owner)).__name__})" if owner != name else ""
+    here = f"{name} ({type(module).__name__})" + (f" in {what}" if what else "")
+    cls = type(base.get_submodule(owner)).__name__
+    if MIXER_CLASS.search(cls):
+        kind = "its recurrence or convolution runs across the boundary"
+    elif "attention" in cls.lower() or "attn" in owner.rsplit(".", 1)[-1]:
+        kind = "its attention does not go through transformers' attention interface, or builds its own mask"
+    elif "position" in (name + cls).lower() or "embed" in name.lower():
+        kind = "its positions are counted along the packed row, not from each example's start"
+    else:
+        kind = "it mixes tokens along the sequence by other means than attention"
+    return (
+        f"Examples see each other in {here}: its output differs from each example run alone by max abs {diff:.3g} "
+        f"({kind}). {type(base).__name__} cannot be packed; {PADDED_FIX.removeprefix('or ')}"
+    )
+
+
+def _mixing_module(name: str, base: torch.nn.Module) -> str:
+    """The module of a decoder layer that `name` is in (`model.layers.3.mamba` for `model.layers.3.mamba.conv1d`):
+    the child of a numbered layer; `name` itself outside the layers."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1):
+        if parts[i].isdigit():
+            return ".".join(parts[: i + 2])
+    return name
+
+
+@torch.no_grad()
+def probe_packing(model: PreTrainedModel, check: bool = True) -> frozenset[str]:
+    """At construction, on the host: run two tiny packed examples through the model's layers with a recording
+    per_example attention, and return the keywords its layers hand attention (`attention_needs` reads them).
+
+    Refuses, in one line each, a model whose attention hands over a keyword no backend implements, whose packed
+    forward raises (naming the module it raised in), and (`check`) whose packed logits differ from each example's
+    run alone (naming the module that lets them see each other: `find_leak`).
+
+    Raises:
+        ConfigError: naming the model, the module or keyword, and what to do.
+    """
+    seen: set[str] = set()
+    config = model.config.get_text_config()
+    ids = (torch.arange(11, device=model.device)[None] * 7 + 3) % config.vocab_size
+    cu = torch.tensor([0, 5, 11], dtype=torch.int32, device=model.device)
+    small = {
+        INPUT_IDS: ids,
+        POSITION_IDS: torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5]], device=model.device),
+        CU_SEQ_LENS_Q: cu,
+        CU_SEQ_LENS_K: cu,
+        MAX_LENGTH_Q: 6,
+        MAX_LENGTH_K: 6,
+    }
+    name = type(model).__name__
+    running: list[str] = []  # the modules whose forward is under way, outermost first
+    handles = []
+    for qualified, module in model.named_modules():
+        if qualified:
+            handles.append(module.register_forward_pre_hook(lambda m, a, n=qualified: running.append(n)))
+            handles.append(module.register_forward_hook(lambda m, a, o: running.pop() and None))  # None: output kept
+    was_training = model.training
+    model.eval()
+    try:
+        with attn_implementation_set(model, register_probe(seen)):
+            packed = model(**small, use_cache=False).logits[0].float()
+    except Exception as error:
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        where = f"{running[-1]} ({type(model.get_submodule(running[-1])).__name__})" if running else "its forward"
+        raise ConfigError(
+            "model.name_or_path",
+            f"{name} cannot run a packed row: {where} raised {type(error).__name__}: {detail[:200]}",
+            PADDED_FIX.removeprefix("or "),
+        ) from None
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    unknown = sorted(seen - HONOURED_KEYWORDS - INERT_KEYWORDS - {PROBE_NAME})
+    if unknown:
+        raise ConfigError(
+            "model.name_or_path",
+            f"{name}'s attention hands the attention function {', '.join(unknown)}, which the packed backends do not "
+            "implement: its attention would be computed without it",
+            "choose a model whose attention the backends implement (the families table in docs/model.md)",
+        )
+    if check:  # the recorded run was per_example attention: each example alone must give the same logits
+        reference = "sdpa" if supports_sdpa(model) else "eager"
+        rtol = ISOLATION_RTOL.get(_compute_dtype(model), 5e-2)
+        with attn_implementation_set(model, reference):
+            alone = torch.cat(
+                [model(input_ids=ids[:, a:b], use_cache=False).logits[0].float() for a, b in ((0, 5), (5, 11))]
+            )
+        if not float((packed - alone).abs().max()) <= rtol * max(1.0, float(alone.abs().max())):
+            with attn_implementation_set(model, register_probe(set())):
+                where = _blame(find_leak(model, small, reference, rtol), model)
+            raise ConfigError("model.name_or_path", f"packed examples are not kept apart: {where}")
+    return frozenset(seen - {PROBE_NAME})
 
 
 def _compute_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -5,6 +5,7 @@ model = load_causal_lm("smollm2", attn_implementation="packed_per_example")
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Literal
 
@@ -14,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from lit_packing._compat import can_set_attn_implementation
 from lit_packing.assets import resolve_pretrained
 from lit_packing.errors import ConfigError
+from lit_packing.models.mixers import keep_mixers_apart
 
 log = logging.getLogger(__name__)
 
@@ -64,27 +66,56 @@ def load_causal_lm(
                 )
             cfg["vocab_size"] = int(vocab_size)
         config = AutoConfig.for_model(**cfg)
-        lm = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch_dtype(dtype))
+        with _own_attention_table(config.model_type, attn_implementation):
+            lm = AutoModelForCausalLM.from_config(
+                config, attn_implementation=attn_implementation, dtype=torch_dtype(dtype)
+            )
     else:
         path = resolve_pretrained(model)
-        lm = AutoModelForCausalLM.from_pretrained(
-            path, attn_implementation=attn_implementation, dtype=torch_dtype(dtype) or torch.float32
-        )
+        with _own_attention_table(model, attn_implementation):
+            lm = AutoModelForCausalLM.from_pretrained(
+                path, attn_implementation=attn_implementation, dtype=torch_dtype(dtype) or torch.float32
+            )
         _fit_vocabulary(lm, vocab_size, resize_embeddings, model)
     check_packing_support(lm)
+    kept = keep_mixers_apart(lm)
+    if kept:
+        log.info("%d token mixers besides attention run per example in packed rows (%s, ...)", len(kept), kept[0])
     # from_pretrained returns eval mode (dropout off); Lightning keeps submodule modes as it finds them.
     return lm.train()
+
+
+@contextlib.contextmanager
+def _own_attention_table(name: str, attn_implementation: str):
+    """A model that picks its attention class from its own table (eager, sdpa, ...) fails on a registered
+    implementation's name while it is built (`KeyError: 'packed_per_example'`): refuse it in one line."""
+    try:
+        yield
+    except KeyError as error:
+        if attn_implementation not in str(error):
+            raise
+        raise ConfigError(
+            "model.name_or_path",
+            f"{name} builds its attention from its own table of implementations, not through transformers' "
+            "AttentionInterface, so packed examples cannot be kept apart",
+            "choose a model that does (the families table in docs/model.md), or train it padded: --config "
+            "configs/padding.yaml (data.collator: lit_packing.data.PaddedCollator)",
+        ) from None
 
 
 def check_packing_support(lm: PreTrainedModel) -> None:
     """Raise unless the model's attention goes through transformers' AttentionInterface (the only place packed
     boundaries can be honoured)."""
     if not can_set_attn_implementation(lm):
+        where = next(
+            (f" ({name}, {type(m).__name__})" for name, m in lm.named_modules() if "Attention" in type(m).__name__), ""
+        )
         raise ConfigError(
             "model.name_or_path",
-            f"{type(lm).__name__} ({lm.config.model_type}) does not route attention through transformers' "
+            f"{type(lm).__name__} ({lm.config.model_type}) does not route attention{where} through transformers' "
             "AttentionInterface, so packed examples cannot be kept apart",
-            "choose a model that does (Llama, Qwen2/3, Mistral, Phi-3, Gemma, GPT-NeoX, GPT-2, ...)",
+            "choose a model that does (the families table in docs/model.md), or train it padded: --config "
+            "configs/padding.yaml (data.collator: lit_packing.data.PaddedCollator)",
         )
 
 
