@@ -2,6 +2,7 @@
 
     python -m benchmarks.attention_throughput --device cuda          # SmolLM2-135M architecture, bf16
     python -m benchmarks.attention_throughput --device cpu --smoke   # seconds, tiny model: a wiring check
+    python -m benchmarks.attention_throughput --family bamba         # a Mamba-2 hybrid (or qwen3_next: delta net)
 
 The same examples (lognormal lengths, median ~940, p90 ~1,900, capped at 2,048, random tokens: no dataset needed)
 run through every mode, in the same mini-batches: `padding` pads each mini-batch to its longest example and runs
@@ -24,6 +25,7 @@ from lit_packing.batch import ATTENTION_MASK, INPUT_IDS, PACKED_KEYS, POSITION_I
 from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.models.attention import attn_implementation, flash_attn_installed, torch_varlen_available
 from lit_packing.models.loss import causal_lm_loss
+from lit_packing.models.mixers import keep_mixers_apart
 
 SMOLLM2_135M = dict(
     model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -32,6 +34,22 @@ SMOLLM2_135M = dict(
 )  # fmt: skip
 SMOKE = dict(SMOLLM2_135M, vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+# Hybrids of SmolLM2's vocabulary and width class: a layer of the family's token mixer, then one of attention.
+HYBRIDS = {
+    "bamba": dict(
+        model_type="bamba", vocab_size=49152, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1, 3], mamba_n_heads=8, mamba_d_head=64,
+        mamba_d_state=64, mamba_chunk_size=256, tie_word_embeddings=True,
+    ),
+    "qwen3_next": dict(
+        model_type="qwen3_next", vocab_size=49152, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        layer_types=["linear_attention", "full_attention"] * 2,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+        tie_word_embeddings=True,
+    ),
+}  # fmt: skip
 MODEL_KEYS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *PACKED_KEYS[:4])  # what the model reads of a batch
 
 
@@ -106,6 +124,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=12, help="mini-batches per mode, warmup included")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dtype", default=None, help="bfloat16 (cuda default) or float32 (cpu default)")
+    parser.add_argument("--family", choices=sorted(HYBRIDS), help="a hybrid instead of SmolLM2-135M's architecture")
     parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     parser.add_argument("--vocab", type=int, default=None, help="override vocab_size")
     parser.add_argument("--median", type=float, default=940.0)
@@ -114,7 +133,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    config = dict(SMOKE if args.smoke else SMOLLM2_135M)
+    config = dict(HYBRIDS[args.family] if args.family else SMOKE if args.smoke else SMOLLM2_135M)
     if args.smoke:
         args.median, args.p90, args.cap = args.median / 10, args.p90 / 10, args.cap // 10
         args.examples, args.steps, args.warmup = min(args.examples, 8), min(args.steps, 3), min(args.warmup, 1)
@@ -126,11 +145,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), attn_implementation="sdpa").to(device)
+    keep_mixers_apart(model)  # packed rows: recurrences and convolutions per example (padded batches: untouched)
     model.train()
     batches = make_batches(args, config["vocab_size"])
     lengths = [len(ex["input_ids"]) for b in batches for ex in b]
     print(
-        f"# {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, vocab {config['vocab_size']}, "
+        f"# {config['model_type']}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
+        f"vocab {config['vocab_size']}, "
         f"{device} {dtype}; {len(batches)} mini-batches x {args.examples} examples; lengths median "
         f"{int(np.median(lengths))}, p90 {int(np.percentile(lengths, 90))}, max {max(lengths)}"
     )

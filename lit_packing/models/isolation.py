@@ -41,6 +41,7 @@ from lit_packing.models.attention import (
     HONOURED_KEYWORDS,
     INERT_KEYWORDS,
     PROBE_NAME,
+    attn_implementation,
     compute_dtype,
     register_probe,
 )
@@ -348,19 +349,17 @@ def probe_packing(model: PreTrainedModel, check: bool = True) -> frozenset[str]:
     was_training = model.training
     model.eval()
     try:
-        with attn_implementation_set(model, register_probe(seen)):
-            packed = model(**small, use_cache=False).logits[0].float()
-    except Exception as error:
-        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        where = f"{running[-1]} ({type(model.get_submodule(running[-1])).__name__})" if running else "its forward"
-        raise ConfigError(
-            "model.name_or_path",
-            f"{name} cannot run a packed row: {where} raised {type(error).__name__}: {detail[:200]}",
-            PADDED_FIX.removeprefix("or "),
-        ) from None
+        try:
+            with attn_implementation_set(model, register_probe(seen)):
+                packed = model(**small, use_cache=False).logits[0].float()
+        except Exception as error:
+            _refuse_packed_error(model, ids, error, running)
+        finally:
+            for handle in handles:
+                handle.remove()
+        if check:
+            _compare_alone(model, small, packed)
     finally:
-        for handle in handles:
-            handle.remove()
         model.train(was_training)
     unknown = sorted(seen - HONOURED_KEYWORDS - INERT_KEYWORDS - {PROBE_NAME})
     if unknown:
@@ -370,17 +369,6 @@ def probe_packing(model: PreTrainedModel, check: bool = True) -> frozenset[str]:
             "implement: its attention would be computed without it",
             "choose a model whose attention the backends implement (the families table in docs/model.md)",
         )
-    if check:  # the recorded run was per_example attention: each example alone must give the same logits
-        reference = "sdpa" if supports_sdpa(model) else "eager"
-        rtol = ISOLATION_RTOL.get(_compute_dtype(model), 5e-2)
-        with attn_implementation_set(model, reference):
-            alone = torch.cat(
-                [model(input_ids=ids[:, a:b], use_cache=False).logits[0].float() for a, b in ((0, 5), (5, 11))]
-            )
-        if not float((packed - alone).abs().max()) <= rtol * max(1.0, float(alone.abs().max())):
-            with attn_implementation_set(model, register_probe(set())):
-                where = _blame(find_leak(model, small, reference, rtol), model)
-            raise ConfigError("model.name_or_path", f"packed examples are not kept apart: {where}")
     return frozenset(seen - {PROBE_NAME})
 
 
@@ -390,3 +378,36 @@ def _compute_dtype(model: torch.nn.Module) -> torch.dtype:
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return param.dtype
+
+
+def _refuse_packed_error(model: PreTrainedModel, ids: torch.Tensor, error: Exception, running: list[str]) -> None:
+    """A packed forward raised: refuse in one line naming the module it raised in, unless the model cannot run one
+    example alone either (then the error is the model's own, not packing's, and is raised as it is)."""
+    try:
+        with attn_implementation_set(model, "sdpa" if supports_sdpa(model) else "eager"):
+            model(input_ids=ids[:, :5], use_cache=False)
+    except Exception:
+        raise error from None
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    where = f"{running[-1]} ({type(model.get_submodule(running[-1])).__name__})" if running else "its forward"
+    raise ConfigError(
+        "model.name_or_path",
+        f"{type(model).__name__} cannot run a packed row: {where} raised {type(error).__name__}: {detail[:200]}",
+        PADDED_FIX.removeprefix("or "),
+    ) from None
+
+
+def _compare_alone(model: PreTrainedModel, small: Mapping[str, Any], packed: torch.Tensor) -> None:
+    """The probe's packed logits (per_example attention) against each example run alone; refuse a difference,
+    naming the module that lets the examples see each other."""
+    reference = "sdpa" if supports_sdpa(model) else "eager"
+    rtol = ISOLATION_RTOL.get(_compute_dtype(model), 5e-2)
+    ids, cu = small[INPUT_IDS], small[CU_SEQ_LENS_Q].tolist()
+    with attn_implementation_set(model, reference):
+        alone = torch.cat(
+            [model(input_ids=ids[:, a:b], use_cache=False).logits[0].float() for a, b in zip(cu[:-1], cu[1:])]
+        )
+    if not float((packed - alone).abs().max()) <= rtol * max(1.0, float(alone.abs().max())):
+        with attn_implementation_set(model, attn_implementation("per_example")):
+            where = _blame(find_leak(model, small, reference, rtol), model)
+        raise ConfigError("model.name_or_path", f"packed examples are not kept apart: {where}")

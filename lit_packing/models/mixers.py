@@ -39,10 +39,10 @@ from lit_packing.models.attention import boundaries_from_positions, length_group
 # Class names of the non-attention token mixers of transformers' decoder families (Mamba, Mamba 2 and their hybrids
 # Bamba, Jamba, Falcon-H1, Granite 4.0-H, Nemotron-H, Zamba 2; gated delta nets of Qwen3-Next, Qwen3.5, OLMo hybrid;
 # Kimi and Bailing delta attention; MiniMax lightning attention; LFM short convolutions; RecurrentGemma's RG-LRU;
-# xLSTM's mLSTM). A decoder layer holding one is never itself one.
+# xLSTM's mLSTM; ZAYA's convolutional q/k/v projection). A decoder layer holding one is never itself one.
 MIXER_CLASS = re.compile(
     r"Mamba\d?Mixer|MambaLayer|Mixer$|GatedDeltaNet|DeltaAttention|LightningAttention|ShortConv|ShortConvolution"
-    r"|RecurrentBlock|xLSTMLayer"
+    r"|RecurrentBlock|xLSTMLayer|CCAProjection"
 )
 _NOT_A_MIXER = re.compile(r"DecoderLayer|MoE|MLP|Model$")
 

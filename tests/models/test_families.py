@@ -1,0 +1,178 @@
+"""Every decoder family of the installed transformers packs exactly, or is refused in one line naming the model and
+the module (or keyword) and the fix; the families table in docs/model.md is what this measures."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lit_packing.errors import ConfigError
+from lit_packing.models.attention import attention_needs, attn_implementation, kernel_refusal
+from lit_packing.models.causal_lm import PackedCausalLM
+from lit_packing.models.isolation import check_isolation, probe_packing
+from lit_packing.models.mixers import find_mixers, keep_mixers_apart
+from tests.cli.test_day_two import main_py, one_line_error
+from tests.models.families import decoder_families, measure, tiny_config
+
+ROOT = Path(__file__).parents[2]
+DOC = ROOT / "docs" / "model.md"
+# Packed == per-example, fp32: the attention tests' tolerances (different kernels, same math).
+LOGITS, LOSS, GRADS = 2e-5, 1e-6, 1e-5
+# One family of each kind of token mixer (and attention with sinks / a position bias), in the fast suite.
+ONE_OF_EACH = {
+    "bamba": "Mamba 2 hybrid",
+    "mamba": "Mamba 1",
+    "qwen3_next": "gated delta net hybrid",
+    "minimax": "lightning attention hybrid",
+    "lfm2": "short convolution hybrid",
+    "recurrent_gemma": "RG-LRU hybrid",
+    "xlstm": "mLSTM",
+    "gpt_oss": "attention sinks",
+    "inkling2_text": "position bias, sinks, short convolutions",
+}
+
+
+def assert_exact(row):
+    assert not row.refused and not row.unbuilt, row
+    assert row.logits <= LOGITS and row.loss <= LOSS and row.grads <= GRADS, row
+
+
+@pytest.mark.parametrize("family", sorted(ONE_OF_EACH))
+def test_one_family_of_each_mixer_kind_packs_exactly(family):
+    assert_exact(measure(family))
+
+
+def doc_table() -> dict[str, list[str]]:
+    """The families table of docs/model.md: family -> its cells."""
+    text = DOC.read_text()
+    table = text.split("<!-- families table -->")[1]
+    rows = {}
+    for line in table.strip().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = cells
+    return rows
+
+
+@pytest.mark.slow
+def test_every_decoder_family_packs_exactly_or_is_refused_in_one_line():
+    """The sweep behind the families table: each family's row in docs/model.md says what this measures."""
+    table = doc_table()
+    assert sorted(table) == decoder_families(), "docs/model.md's families table lists other families"
+    for family in decoder_families():
+        row = measure(family)
+        cells = table[family]
+        if row.unbuilt:
+            assert cells[2] == "not measured", (family, row.unbuilt)
+        elif row.refused:
+            line = row.refused
+            assert "\n" not in line and row.family and len(line) < 700, line
+            assert cells[2] == "refused", (family, line)
+            assert re.search(r"[A-Za-z0-9]+(ForCausalLM|LMHeadModel)|" + re.escape(family), line), line
+        else:
+            assert_exact(row)
+            assert cells[2] == "exact", (family, row)
+            assert cells[1] == row.route, (family, row.route)
+
+
+def test_mixers_are_found_outermost_and_not_in_attention_only_models():
+    bamba = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_config("bamba")))
+    names = [name for name, _ in find_mixers(bamba)]
+    assert names == ["model.layers.0.mamba", "model.layers.1.mamba"]
+    llama = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_config("llama")))
+    assert keep_mixers_apart(llama) == []
+
+
+def test_without_the_per_example_mixers_the_leak_is_named():
+    """The same Bamba, its Mamba mixers left as transformers wrote them: the self-test names the mixer."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(**tiny_config("bamba")), attn_implementation=attn_implementation("per_example")
+    )
+    ids = torch.arange(3, 40)[None]
+    cu = torch.tensor([0, 12, 25, 37], dtype=torch.int32)
+    pos = torch.cat([torch.arange(12), torch.arange(13), torch.arange(12)])[None]
+    batch = {"input_ids": ids, "position_ids": pos, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+             "max_length_q": 13, "max_length_k": 13}  # fmt: skip
+    with pytest.raises(Exception) as raised:
+        check_isolation(model, batch, "per_example")
+    message = str(raised.value)
+    assert "model.layers.0.mamba (BambaMixer)" in message, message
+    assert "recurrence or convolution runs across the boundary" in message, message
+    assert "configs/padding.yaml" in message, message
+    keep_mixers_apart(model)
+    assert check_isolation(model, batch, "per_example") < 1e-5
+
+
+def test_a_model_whose_attention_leaks_is_refused_at_construction_naming_the_module():
+    with pytest.raises(ConfigError) as raised:
+        PackedCausalLM(model_config=tiny_config("doge"), vocab_size=1000)
+    message = str(raised.value)
+    assert message.startswith("model.name_or_path: packed examples are not kept apart"), message
+    assert "model.layers.0.self_attn (DogeAttention)" in message, message
+
+
+def test_an_attention_keyword_no_backend_implements_is_refused_in_one_line():
+    """A Llama whose attention layers hand the attention function one keyword more (as a new family would)."""
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(**tiny_config("llama")), attn_implementation=attn_implementation("per_example")
+    )
+
+    def one_more(module, args, kwargs):
+        return args, {**kwargs, "alibi_slopes": torch.ones(4)}
+
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(one_more, with_kwargs=True)
+    with pytest.raises(ConfigError) as raised:
+        probe_packing(model)
+    assert str(raised.value) == (
+        "model.name_or_path: LlamaForCausalLM's attention hands the attention function alibi_slopes, which the "
+        "packed backends do not implement: its attention would be computed without it; choose a model whose "
+        "attention the backends implement (the families table in docs/model.md)"
+    )
+
+
+def test_sinks_and_position_bias_keep_auto_off_the_flash_kernels():
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(**tiny_config("gpt_oss")), attn_implementation=attn_implementation("per_example")
+    )
+    needs = attention_needs(model, probe_packing(model))
+    assert needs.sinks and not needs.position_bias
+    assert kernel_refusal("flash_attn", needs) == "flash_attn has no attention sinks"
+    assert kernel_refusal("torch_varlen", needs) == "torch_varlen has no attention sinks"
+    assert kernel_refusal("per_example", needs) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["bamba", "qwen3_next", "lfm2"])
+def test_one_step_fit_through_the_cli(tmp_path, family):
+    """Mamba 2, gated delta net and short-convolution hybrids train packed through the CLI, self-test passing."""
+    config = {k: v for k, v in tiny_config(family).items() if k != "vocab_size"}
+    done = main_py(
+        tmp_path, "fit", "--config", "quickstart", f"--model.model_config={json.dumps(config)}",
+        "--trainer.max_steps=1", "--data.limit=32", "--data.max_length=256",
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "isolation self-test passed" in output, output[-3000:]
+    assert "run per example in packed rows" in output, output[-3000:]
+
+
+def test_a_refused_family_through_the_cli_is_one_line(tmp_path):
+    config = {k: v for k, v in tiny_config("doge").items() if k != "vocab_size"}
+    last = one_line_error(
+        main_py(
+            tmp_path,
+            "fit",
+            "--config",
+            "quickstart",
+            f"--model.model_config={json.dumps(config)}",
+            "--trainer.max_steps=1",
+        )  # fmt: skip
+    )
+    assert "model.layers.0.self_attn (DogeAttention)" in last, last
