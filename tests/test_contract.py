@@ -68,13 +68,15 @@ def quiet(**kwargs) -> Trainer:
 
 
 class Steps(Callback):
-    """`(batch_idx, global_step)` at every training batch end."""
+    """`(batch_idx, global_step)` at every training batch end, and the feeds attached to the trainer then."""
 
     def __init__(self):
         self.ends: list[tuple[int, int]] = []
+        self.feeds: list[list[Feed]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.ends.append((batch_idx, trainer.global_step))
+        self.feeds.append([c for c in trainer.callbacks if isinstance(c, Feed)])
 
 
 def test_a_resume_onto_another_global_batch_continues_at_the_datas_trained_micro_batch(tmp_path, smollm2_tokenizer):
@@ -100,5 +102,6 @@ def test_a_resume_onto_another_global_batch_continues_at_the_datas_trained_micro
 
     assert trainer.accumulate_grad_batches == 2 and resumed.resumed_at == 6
     assert steps.ends == [(6, 3), (7, 4), (8, 4), (9, 5)]
-    assert [type(c) for c in trainer.callbacks].count(type(resumed.feed)) == 1 and resumed.feed in trainer.callbacks
-    assert isinstance(resumed.feed, Feed) and "on_train_start" not in vars(DataModelConnection)  # the feed aligns
+    assert steps.feeds == [[resumed.feed]] * 4  # attached once for the fit, by its data module
+    assert resumed.feed not in trainer.callbacks  # and detached at its end
+    assert "on_train_start" not in vars(DataModelConnection)  # the feed aligns, the connection only connects

@@ -269,6 +269,11 @@ class PackingDataModule(LightningDataModule):
         if self.contract is None:
             self.contract = self.feed.publish(stage)
 
+    def teardown(self, stage: str) -> None:
+        """Detach the feed that `setup` attached: a later fit of the same trainer aligns with its own data."""
+        if self.trainer is not None and self.feed in self.trainer.callbacks:
+            self.trainer.callbacks.remove(self.feed)
+
     def train_dataloader(self) -> DataLoader | StreamLoader:
         return self.feed.train_loader(functools.partial(self._build_sampler, "sampler", self.sampler))
 

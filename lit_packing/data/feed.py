@@ -7,7 +7,8 @@
     feed.largest_step(); feed.position(trained); feed.restore(position, step)
 
 A feed also owns the resume's alignment with Lightning: it is a callback, attached to the trainer by the data
-module's `setup`, whose `on_train_start` makes the fit loop count the micro-batches the data counts as trained.
+module's `setup` for a fit (and detached by its `teardown`), whose `on_train_start` makes the fit loop count the
+micro-batches the data counts as trained.
 It must be a callback's hook: Lightning restores its loop counters after building the training loader
 (`configure_optimizers` builds it, reading `trainer.estimated_stepping_batches`) and a data module gets no hook
 after that, and no callback of `lit_packing.callbacks` owns every resume (`LastCheckpoint` only writes, and a run
