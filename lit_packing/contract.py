@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 
-from lit_packing._compat import move_epoch_position, ready_batches
 from lit_packing.cost import ModelShape, flop_coefficients
 
 if TYPE_CHECKING:
@@ -78,8 +77,7 @@ class ModelContract:
 
 class DataModelConnection(pl.Callback):
     """Hands the data's contract to the model and to every callback that asks, and the model's to the data, once
-    per `Trainer.fit` / `validate` / `test`, between the data module's `setup` and the model's; at the start of a
-    resumed fit, aligns the fit loop's count of trained micro-batches with the data's."""
+    per `Trainer.fit` / `validate` / `test`, between the data module's `setup` and the model's."""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         data, model = trainer.datamodule, pl_module
@@ -91,14 +89,6 @@ class DataModelConnection(pl.Callback):
         for receiver in (model, *trainer.callbacks):
             if hasattr(receiver, "connect_data"):
                 receiver.connect_data(published)
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """After a resume onto another layout, count in the fit loop the micro-batches the data counts as trained
-        (the start of the first optimizer step not completed, in this layout), so that accumulation steps the
-        optimizer on the same packs as the uninterrupted run."""
-        resumed_at = getattr(trainer.datamodule, "resumed_at", None)
-        if resumed_at is not None and resumed_at != ready_batches(trainer):
-            move_epoch_position(trainer, resumed_at)
 
 
 # Where the core parameters of a sampler or collator live in the config, besides `data.<component>.init_args.*`:

@@ -260,9 +260,9 @@ def stream_lengths(data: PackingDataModule, examples: int) -> np.ndarray:
 
 def render_windows(data: PackingDataModule, lengths: np.ndarray, title: str) -> Table | str:
     """Windowed vs offline fill of the configured sampler on `lengths`: the configured buffer size, then the curve."""
-    probe = data.sampler(np.zeros(0, dtype=np.int64))
-    if not isinstance(getattr(probe, "max_tokens", None), int):
-        return f"{title}: {type(probe).__name__} has no token budget, so packing in windows changes no fill"
+    declared = data.declared
+    if not isinstance(getattr(declared, "max_tokens", None), int):
+        return f"{title}: {type(declared).__name__} has no token budget, so packing in windows changes no fill"
     table = Table(title=title)
     for column in ("buffer_size", "windows", "packs", "fill", "offline best-fit fill", "gap", "ms / window"):
         table.add_column(column, justify="right")
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> list[PlanStats]:
         lengths = stream_lengths(data, args.stream_examples)
         title = (
             f"{' + '.join(args.config)}: fill of the stream's first {len(lengths):,} examples packed in windows by "
-            f"{type(data.sampler(np.zeros(0, dtype=np.int64))).__name__}, against one plan of all of them"
+            f"{type(data.declared).__name__}, against one plan of all of them"
         )
         Console(width=max(Console().width, 150)).print(render_windows(data, lengths, title))
         return []

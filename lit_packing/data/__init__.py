@@ -7,8 +7,9 @@ format, import without the `datasets` package (e.g. on a bare GPU machine runnin
 from importlib import import_module
 
 _HOMES = {
+    "cached": ("split_rows",),
     "collate": ("PackedCollator", "PaddedCollator"),
-    "datamodule": ("PackingDataModule", "split_rows"),
+    "datamodule": ("PackingDataModule",),
     "encode": ("DEFAULT_CHAT_TEMPLATE",),
     "mixture": ("Mixture",),
     "packaged": ("ChampChats", "ChampProblems", "Chatterbot", "HumanEval", "StateOfTheUnion"),

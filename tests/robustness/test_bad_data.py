@@ -143,7 +143,7 @@ def test_overlong_error_names_the_source_row_not_the_sampled_one(tmp_path):
         source=HFDataset(path, split="train"), limit=40, max_length=64, overlong="error",
         cache_dir=str(tmp_path / "cache"),
     )  # fmt: skip
-    rows = dm._limited(dm.source.load(dm.cache_dir))[1]
+    rows = dm.feed.limited(dm.source.load(dm.cache_dir))[1]
     assert 30 in rows.tolist() and rows.tolist().index(30) != 30  # the long row sits elsewhere in the sample
     with pytest.raises(DataError, match=rf"first line 31 of {path} \("):
         dm.setup("fit")
