@@ -126,18 +126,15 @@ def _per_example(forward: Callable, state: _Boundaries) -> Callable:
         if kwargs.get("cache") is not None or kwargs.get("cache_params") is not None:
             raise ValueError("a packed batch cannot run with a cache: call the model with use_cache=False")
         groups, inverse = length_groups(cu)
-        outs, rest = [], None
+        outs = []
         for group in groups:
             out = forward_of(
                 *(_take(a, *group, state.tokens) for a in args),
                 **{k: _take(v, *group, state.tokens) for k, v in kwargs.items()},
             )
-            if isinstance(out, tuple):
-                out, rest = out[0], out[1:]
-            outs.append(out.reshape(-1, *out.shape[2:]))
-        merged = torch.cat(outs) if len(outs) > 1 else outs[0]
-        merged = (merged if inverse is None else merged.index_select(0, inverse)).unsqueeze(0)
-        return merged if rest is None else (merged, *(None for _ in rest))
+            outs.append(out if isinstance(out, tuple) else (out,))
+        merged = tuple(_put_back([out[i] for out in outs], inverse, groups) for i in range(len(outs[0])))
+        return merged if isinstance(out, tuple) else merged[0]
 
     run.__wrapped__ = forward  # the class forward
     return run
@@ -153,3 +150,17 @@ def _take(value: Any, length: int, starts: list[int], index: torch.Tensor | None
     if index is None:
         return value.narrow(1, starts[0], length)
     return value[0].index_select(0, index).view(len(starts), length, *value.shape[2:])
+
+
+def _put_back(parts: list[Any], inverse: torch.Tensor | None, groups: list) -> Any:
+    """One output of the groups' calls, as the packed row's: per-token (m, L, ...) tensors concatenated and put
+    back in token order as (1, T, ...); anything else (a final state, only kept with a cache) becomes None."""
+    per_token = all(
+        isinstance(p, torch.Tensor) and p.dim() >= 2 and tuple(p.shape[:2]) == (len(g[1]), g[0])
+        for p, g in zip(parts, groups)
+    )
+    if not per_token:
+        return None
+    flat = [p.reshape(-1, *p.shape[2:]) for p in parts]
+    merged = torch.cat(flat) if len(flat) > 1 else flat[0]
+    return (merged if inverse is None else merged.index_select(0, inverse)).unsqueeze(0)

@@ -21,30 +21,14 @@ from tests.models.families import decoder_families, measure, tiny_config
 
 ROOT = Path(__file__).parents[2]
 DOC = ROOT / "docs" / "model.md"
-# Packed == per-example, fp32: the attention tests' tolerances (different kernels, same math).
-LOGITS, LOSS, GRADS = 2e-5, 1e-6, 1e-5
-# One family of each kind of token mixer (and attention with sinks / a position bias), in the fast suite.
-ONE_OF_EACH = {
-    "bamba": "Mamba 2 hybrid",
-    "mamba": "Mamba 1",
-    "qwen3_next": "gated delta net hybrid",
-    "minimax": "lightning attention hybrid",
-    "lfm2": "short convolution hybrid",
-    "recurrent_gemma": "RG-LRU hybrid",
-    "xlstm": "mLSTM",
-    "gpt_oss": "attention sinks",
-    "inkling2_text": "position bias, sinks, short convolutions",
-}
+# Packed == per-example, fp32: the attention tests' tolerances (different kernels, same math; their loss tolerance,
+# 1e-6 + 1e-6 relative, at a loss of ~ln(1000) = 6.9).
+LOGITS, LOSS, GRADS = 2e-5, 8e-6, 1e-5
 
 
 def assert_exact(row):
     assert not row.refused and not row.unbuilt, row
     assert row.logits <= LOGITS and row.loss <= LOSS and row.grads <= GRADS, row
-
-
-@pytest.mark.parametrize("family", sorted(ONE_OF_EACH))
-def test_one_family_of_each_mixer_kind_packs_exactly(family):
-    assert_exact(measure(family))
 
 
 def doc_table() -> dict[str, list[str]]:
@@ -59,25 +43,26 @@ def doc_table() -> dict[str, list[str]]:
     return rows
 
 
-@pytest.mark.slow
-def test_every_decoder_family_packs_exactly_or_is_refused_in_one_line():
-    """The sweep behind the families table: each family's row in docs/model.md says what this measures."""
-    table = doc_table()
-    assert sorted(table) == decoder_families(), "docs/model.md's families table lists other families"
-    for family in decoder_families():
-        row = measure(family)
-        cells = table[family]
-        if row.unbuilt:
-            assert cells[2] == "not measured", (family, row.unbuilt)
-        elif row.refused:
-            line = row.refused
-            assert "\n" not in line and row.family and len(line) < 700, line
-            assert cells[2] == "refused", (family, line)
-            assert re.search(r"[A-Za-z0-9]+(ForCausalLM|LMHeadModel)|" + re.escape(family), line), line
-        else:
-            assert_exact(row)
-            assert cells[2] == "exact", (family, row)
-            assert cells[1] == row.route, (family, row.route)
+def test_the_families_table_lists_every_decoder_family():
+    assert sorted(doc_table()) == decoder_families(), "docs/model.md's families table lists other families"
+
+
+@pytest.mark.parametrize("family", decoder_families())
+def test_every_decoder_family_packs_exactly_or_is_refused_in_one_line(family):
+    """The sweep behind the families table: the family's row in docs/model.md says what this measures."""
+    row, cells = measure(family), doc_table()[family]
+    if row.unbuilt:
+        assert cells[2] == "not measured", (family, row.unbuilt)
+    elif row.refused:
+        line = row.refused
+        assert "\n" not in line and len(line) < 700, line
+        assert line.startswith("model.name_or_path: "), line
+        assert re.search(r"(ForCausalLM|LMHeadModel|" + re.escape(family) + ")", line), line
+        assert "configs/padding.yaml" in line, line
+        assert cells[2] == "refused", (family, line)
+    else:
+        assert_exact(row)
+        assert (cells[1], cells[2]) == (row.route, "exact"), (family, row.route)
 
 
 def test_mixers_are_found_outermost_and_not_in_attention_only_models():
