@@ -17,7 +17,7 @@ CORE = ("lit_packing.batch", "lit_packing.cost", "lit_packing.errors", "lit_pack
         "lit_packing.processes", "lit_packing.core",
         "lit_packing.samplers",
         "lit_packing.data.collate", "lit_packing.models.attention", "lit_packing.models.loss",
-        "lit_packing.models.isolation")  # fmt: skip
+        "lit_packing.models.isolation", "lit_packing.models.mixers")  # fmt: skip
 LIGHTNING = ("lit_packing.assets", "lit_packing.loggers", "lit_packing.contract",
              "lit_packing.data", "lit_packing.models", "lit_packing.callbacks", "lit_packing.configs")  # fmt: skip
 CLI = ("lit_packing.cli", "lit_packing.preflight")
