@@ -23,6 +23,10 @@ sampler's trained micro-batches; never what the workers prefetched, nothing rank
 window from the sources' positions, plans it again (the same window, the same plan) and continues: exactly, or on
 another layout by re-dealing the window's untrained packs (`PlannedBatchSampler.load_state_dict`), every example
 still once.
+
+One module, read whole: the four steps above and the position a checkpoint keeps are one mechanism (the mixer's
+state is what a resume re-reads the window from; the carried examples are what the loader's plan leaves over), so a
+change to one step is checked against the others here. The data module's use of it is in `stream_feed`.
 """
 
 from __future__ import annotations
