@@ -113,6 +113,7 @@ OVERRIDES = {
     "xglm": dict(d_model=64, ffn_dim=128, attention_heads=4, num_layers=2),
     "ctrl": dict(dff=128),
     "gemma4_text": dict(vocab_size_per_layer_input=1000, hidden_size_per_layer_input=16),
+    "gemma4_unified_text": dict(vocab_size_per_layer_input=1000, hidden_size_per_layer_input=16),
     "inkling2_text": dict(unpadded_vocab_size=1000),
     "inkling2_loop_text": dict(unpadded_vocab_size=1000),
     "minimax_m3_vl_text": dict(dense_intermediate_size=128, shared_intermediate_size=32),
