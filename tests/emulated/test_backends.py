@@ -15,9 +15,12 @@ import torch
 
 from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.models.attention import attn_implementation, resolve_backend
+from lit_packing.models.loading import load_causal_lm
 from lit_packing.models.loss import token_losses
+from lit_packing.models.mixers import find_mixers
 from tests.conftest import TINY_CONFIGS
 from tests.emulated.machine import SimulatedGPU
+from tests.models.families import tiny_config
 from tests.models.test_attention import EXTRA_FAMILIES, LENGTHS, MODEL_KEYS, make_examples, tiny_model
 
 FAMILIES = {
@@ -147,3 +150,22 @@ def test_flash_attn_attention_dropout_trains(emulated_gpu):
     second.float().sum().backward()
     assert not torch.equal(first, second)  # a new dropout mask each call
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+HYBRIDS = ("bamba", "qwen3_next", "lfm2")  # Mamba 2, gated delta net, short convolution beside attention layers
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen"])
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_hybrids_pack_exactly_on_the_gpu_path(backend, family):
+    """The per-example mixers beside each kernel backend, under bf16 autocast on the simulated GPU: within the
+    noise of the exact per-example backend at that precision, the kernel called for the attention layers."""
+    with SimulatedGPU(flash_attn=backend == "flash_attn") as machine:
+        torch.manual_seed(0)
+        model = load_causal_lm(model_config=tiny_config(family), attn_implementation="eager").to("cuda")
+        assert find_mixers(model)  # the mixers run per example (load_causal_lm)
+        ref = per_example(model, EXAMPLES, "sdpa")
+        base = packed(model, EXAMPLES, "per_example", torch.bfloat16)
+        got = packed(model, EXAMPLES, backend, torch.bfloat16)
+        assert machine.kernel_calls[KERNEL_OPS[backend]] >= 1  # its attention layers ran the kernel
+    assert_within_noise(got, base, ref, f"{backend} {family}")

@@ -105,6 +105,8 @@ SIZES_OFTEN_NONE = ("head_dim", "num_key_value_heads", "num_experts_per_tok")
 OVERRIDES = {
     "mamba2": dict(num_heads=8, head_dim=16, expand=2),
     "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "bamba": dict(attn_layer_indices=[1]),  # one Mamba 2 layer, one attention layer
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
     "codegen": dict(rotary_dim=8, n_ctx=512),
     "gptj": dict(rotary_dim=8),
     "zaya": dict(num_experts_per_tok=1),
