@@ -229,7 +229,7 @@ def measure(family: str, seed: int = 0) -> Row:
         ids = torch.randint(3, min(vocab, 1000), (n,), generator=gen).tolist()
         examples.append({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3 :]})
     model.eval()  # no dropout; gradients still flow
-    ref_logits, ref_loss, ref_grads = _per_example(model, examples)
+    ref_logits, ref_loss, ref_grads = per_example_reference(model, examples)
     batch = PackedCollator()(examples)
     keys = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
     logits = model(**{k: batch[k] for k in keys}, use_cache=False).logits
@@ -244,7 +244,8 @@ def measure(family: str, seed: int = 0) -> Row:
     return row
 
 
-def _per_example(model, examples):
+def per_example_reference(model, examples):
+    """Logits, token-mean loss and gradients of each example run alone (fresh positions)."""
     model.zero_grad()
     logits, total, count = [], 0.0, 0
     with contextlib.ExitStack():

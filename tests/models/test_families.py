@@ -11,13 +11,17 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from lit_packing.batch import MODEL_KEYS
+from lit_packing.data.collate import PackedCollator
 from lit_packing.errors import ConfigError
 from lit_packing.models.attention import attention_needs, attn_implementation, kernel_refusal
 from lit_packing.models.causal_lm import PackedCausalLM
 from lit_packing.models.isolation import check_isolation, probe_packing
+from lit_packing.models.loading import load_causal_lm
+from lit_packing.models.loss import token_losses
 from lit_packing.models.mixers import find_mixers, keep_mixers_apart
 from tests.cli.test_day_two import main_py, one_line_error
-from tests.models.families import decoder_families, measure, tiny_config
+from tests.models.families import decoder_families, measure, per_example_reference, tiny_config
 
 ROOT = Path(__file__).parents[2]
 DOC = ROOT / "docs" / "model.md"
@@ -161,3 +165,46 @@ def test_a_refused_family_through_the_cli_is_one_line(tmp_path):
         )  # fmt: skip
     )
     assert "model.layers.0.self_attn (DogeAttention)" in last, last
+
+
+def _hybrid(family: str):
+    torch.manual_seed(0)
+    return load_causal_lm(model_config=tiny_config(family), attn_implementation=attn_implementation("per_example"))
+
+
+@pytest.mark.parametrize("family", ["bamba", "qwen3_next"])
+def test_boundaries_reach_the_mixers_from_position_ids_alone(family):
+    """A row with restarting position_ids and no cu_seq_lens (DataCollatorWithFlattening's default): the mixers
+    still run per example."""
+    model = _hybrid(family).eval()
+    batch = PackedCollator()([{"input_ids": list(range(3, 3 + n))} for n in (7, 4, 9)])
+    with torch.no_grad():
+        full = model(**{k: batch[k] for k in MODEL_KEYS if k in batch}, use_cache=False).logits
+        bare = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        alone = torch.cat([model(input_ids=torch.arange(3, 3 + n)[None], use_cache=False).logits[0] for n in (7, 4, 9)])
+    torch.testing.assert_close(bare[0], alone, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(full, bare, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["bamba", "qwen3_next"])
+def test_gradient_checkpointing_recomputes_the_mixers_per_example(family):
+    """The backward pass recomputes each checkpointed layer: its mixers read the same boundaries again."""
+    model = _hybrid(family).eval()
+    examples = [{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n))} for n in (7, 4, 9, 4)]
+    batch = PackedCollator()(examples)
+
+    def grads(**inputs):
+        model.zero_grad()
+        losses, mask, _ = token_losses(model(**inputs, use_cache=False).logits, batch["labels"])
+        (losses.sum() / mask.sum()).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = grads(**{k: batch[k] for k in MODEL_KEYS if k in batch})
+    alone = per_example_reference(model, examples)[2]
+    for name, grad in plain.items():  # packed == each example alone, then checkpointed == packed
+        torch.testing.assert_close(grad, alone[name], atol=1e-6, rtol=1e-4, msg=name)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # transformers checkpoints only in training mode; these tiny configs have no dropout
+    checkpointed = grads(**{k: batch[k] for k in MODEL_KEYS if k in batch})
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
