@@ -16,6 +16,7 @@ from lit_packing._compat import can_set_attn_implementation
 from lit_packing.assets import resolve_pretrained
 from lit_packing.errors import ConfigError
 from lit_packing.models.mixers import keep_mixers_apart
+from lit_packing.text import count
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,10 @@ def load_causal_lm(
     check_packing_support(lm)
     kept = keep_mixers_apart(lm)
     if kept:
-        log.info("%d token mixers besides attention run per example in packed rows (%s, ...)", len(kept), kept[0])
+        log.info(
+            "%s besides attention %s per example in packed rows (%s%s)",
+            count(len(kept), "token mixer"), "runs" if len(kept) == 1 else "run", kept[0], ", ..." * (len(kept) > 1),
+        )  # fmt: skip
     # from_pretrained returns eval mode (dropout off); Lightning keeps submodule modes as it finds them.
     return lm.train()
 
