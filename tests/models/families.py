@@ -122,9 +122,29 @@ OVERRIDES = {
     "nemotron_h": dict(moe_shared_expert_intermediate_size=32),
     "deepseek_v4": dict(o_lora_rank=16, index_topk=8),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
-    "zamba2": dict(mamba_headdim=64),
+    "zamba": dict(num_hidden_layers=4, layers_block_type=["linear_attention", "hybrid"] * 2, attention_hidden_size=128),
+    "zamba2": dict(mamba_headdim=64, attention_hidden_size=128),  # attention reads [hidden, embeddings]
     "longcat_flash": dict(ffn_hidden_size=128, expert_ffn_hidden_size=32, zero_expert_num=2, moe_topk=2),
-    "qwen4_exp_text": dict(token_budget=16, compress_ratio=4),
+    "qwen4_exp_text": dict(
+        indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16, indexer_compress_ratio=4
+    ),
+    "dory": dict(
+        num_hidden_layers=3,
+        n_input_layers=1,
+        n_recurrent_layers=1,
+        n_output_layers=1,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    ),
+    "dots1": dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2),
+    "glm_moe_dsa": dict(index_head_dim=16, index_n_heads=4, index_topk=8),
+    "deepseek_v32": dict(index_head_dim=16, index_n_heads=4, index_topk=8),
+    "axk2": dict(index_head_dim=16, index_n_heads=4, index_topk=8),
+    "gemma3n_text": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=1000, hidden_size_per_layer_input=16),
+    "cohere_compass_text": dict(
+        rope_parameters={
+            kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in ("full_attention", "sliding_attention")
+        }
+    ),
 }
 DROPOUT = ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
            "hidden_dropout_prob", "attention_probs_dropout_prob", "ffn_dropout", "embed_dropout")  # fmt: skip
