@@ -37,7 +37,7 @@ from lit_packing.batch import CU_SEQ_LENS_K, CU_SEQ_LENS_Q, MAX_LENGTH_K, MAX_LE
 from lit_packing.models.attention import boundaries_from_positions, length_groups
 
 # Class names of the non-attention token mixers of transformers' decoder families (Mamba, Mamba 2 and their hybrids
-# Bamba, Jamba, Falcon-H1, Granite 4.0-H, Nemotron-H, Zamba 2; gated delta nets of Qwen3-Next, Qwen3.5, OLMo hybrid;
+# Bamba, Jamba, Falcon-H1, Granite 4.0-H, Nemotron-H, Zamba 1/2; gated delta nets of Qwen3-Next, Qwen3.5, OLMo hybrid;
 # Kimi and Bailing delta attention; MiniMax lightning attention; LFM short convolutions; RecurrentGemma's RG-LRU;
 # xLSTM's mLSTM; ZAYA's convolutional q/k/v projection). A decoder layer holding one is never itself one.
 MIXER_CLASS = re.compile(

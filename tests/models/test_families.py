@@ -208,3 +208,13 @@ def test_gradient_checkpointing_recomputes_the_mixers_per_example(family):
     checkpointed = grads(**{k: batch[k] for k in MODEL_KEYS if k in batch})
     for name, grad in plain.items():
         torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_lora_adapters_inside_the_mixers_keep_them_per_example():
+    """peft wraps the mixers' projections after they were made per-example: the self-test still passes."""
+    lm = PackedCausalLM(
+        model_config=tiny_config("bamba"), vocab_size=1000, lora=dict(r=4, target_modules=["in_proj", "out_proj"])
+    )
+    batch = PackedCollator()([{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n))} for n in (7, 4, 9)])
+    assert type(lm.model).__name__ == "PeftModelForCausalLM"
+    assert check_isolation(lm.model, batch, "per_example") < 1e-5
