@@ -18,6 +18,8 @@
 #    ($RESULTS/bench_gpu_flash/).
 # 4. peak memory of a step with a 152k vocabulary at 8k and 32k tokens (<= 45 s): full logits vs the chunked loss,
 #    each beside the memory estimate's prediction (python -m benchmarks.loss_memory).
+# 5. hybrids (<= 40 s): a Mamba-2 hybrid and a gated-delta-net hybrid, padding vs packing with the mixers per example
+#    beside torch_varlen (python -m benchmarks.attention_throughput --family ...), bf16.
 # Every part is capped by what is left of BUDGET seconds (default 450: the script ends within 8 minutes), and a
 # part with under 20 s left is skipped.
 #
@@ -92,6 +94,12 @@ fi
 
 part 45 "loss memory: 152k vocabulary (Qwen2.5), 8k and 32k tokens, bf16-mixed: full logits vs chunked" \
   "$PYTHON" -m benchmarks.loss_memory --device cuda --precision bf16-mixed --tokens 8192 32768 --impls full chunked
+
+for family in bamba qwen3_next; do
+  part 20 "hybrid $family: padding vs packed (per-example mixers beside torch_varlen), bf16" \
+    "$PYTHON" -m benchmarks.attention_throughput --device cuda --family "$family" --steps 6 \
+    --modes padding per_example torch_varlen
+done
 
 echo "== done in ${SECONDS}s; results under $RESULTS/bench_gpu*"
 exit $status
