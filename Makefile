@@ -61,9 +61,12 @@ run: setup
 # compile, the documented commands, the benchmark) run with `make test-slow`; `make test-all` runs both sets in one
 # pytest. PYTEST_ARGS passes options on, e.g. `make test PYTEST_ARGS="-x -k resume"`.
 PYTEST_ARGS ?=
+# The fast tests on every core (pytest-xdist), a test file to a worker: each runs with one torch thread
+# (tests/conftest.py), so two workers on two cores take about half the time. The slow tests run one at a time
+# (multi-process runs, ports, kill -9).
 test: setup emulated
-	@echo "==> pytest -m 'not slow' (the rest: make test-slow)"
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	@echo "==> pytest -m 'not slow' on every core (the rest: make test-slow)"
+	$(PY) -m pytest -m "not slow" -n auto --dist loadfile $(PYTEST_ARGS)
 
 # pytest's exit status 5 means "no test collected" (e.g. a PYTEST_ARGS -k that selects no slow test): not a failure.
 test-slow: setup emulated
