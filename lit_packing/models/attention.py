@@ -653,12 +653,13 @@ def _per_example(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, so
     opts = {"causal": causal, "scale": scale, "window": window, "softcap": softcap, "dropout": dropout}
     outs = []
     for length, starts, index in groups:
-        rows = index if index is not None else torch.arange(starts[0], starts[0] + length, device=q.device)
         if index is None:  # a single example: a view, no gather
             parts = [x.narrow(0, starts[0], length).unsqueeze(0) for x in (q, k, v)]
         else:
             parts = [x.index_select(0, index).view(len(starts), length, *x.shape[1:]) for x in (q, k, v)]
         qg, kg, vg = (x.transpose(1, 2) for x in parts)  # (m, H, L, D)
+        if sink is not None or bias is not None:  # the flat token index of the group's examples
+            rows = index if index is not None else torch.arange(starts[0], starts[0] + length, device=q.device)
         if sink is not None:  # (T, H) -> (m, H, L)
             opts["sink"] = sink.index_select(0, rows).view(len(starts), length, -1).transpose(1, 2)
         if bias is not None:  # (B, H, T, T) -> the (m, H, L, L) blocks of the examples
