@@ -291,8 +291,13 @@ def _blame(leak: tuple[str, torch.nn.Module, float] | None, base: torch.nn.Modul
     what = f"{owner} ({type(base.get_submodule(owner)).__name__})" if owner != name else ""
     here = f"{name} ({type(module).__name__})" + (f" in {what}" if what else "")
     cls = type(base.get_submodule(owner)).__name__
+    fix = f"{type(base).__name__} cannot be packed; {PADDED_FIX.removeprefix('or ')}"
     if MIXER_CLASS.search(cls):
         kind = "its recurrence or convolution runs across the boundary"
+        fix = (
+            "Run its mixers per example: lit_packing.models.mixers.keep_mixers_apart(model) (PackedCausalLM and "
+            f"load_causal_lm do), {PADDED_FIX}"
+        )
     elif "attention" in cls.lower() or "attn" in owner.rsplit(".", 1)[-1]:
         kind = "its attention does not go through transformers' attention interface, or builds its own mask"
     elif "position" in (name + cls).lower() or "embed" in name.lower():
@@ -301,7 +306,7 @@ def _blame(leak: tuple[str, torch.nn.Module, float] | None, base: torch.nn.Modul
         kind = "it mixes tokens along the sequence by other means than attention"
     return (
         f"Examples see each other in {here}: its output differs from each example run alone by max abs {diff:.3g} "
-        f"({kind}). {type(base).__name__} cannot be packed; {PADDED_FIX.removeprefix('or ')}"
+        f"({kind}). {fix}"
     )
 
 
