@@ -347,19 +347,19 @@ def _attention_forward(kernel: VarlenFn) -> Callable:
         position_bias: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
+        batch, heads, seq, _ = query.shape
+        sink = _sink_logits(s_aux, sinks, batch, heads, seq)  # (B, H, T) or None
         if attention_mask is not None:  # a padded batch: the (B, 1, T, T) mask sdpa_mask built
-            if softcap is None and s_aux is None and sinks is None and position_bias is None:
+            if softcap is None and sink is None and position_bias is None:
                 return sdpa_attention_forward(
                     module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal
                 )
-            sink = s_aux.reshape(1, -1, 1).expand(query.shape[0], -1, query.shape[2]) if s_aux is not None else None
             out = _attend(
                 query, key, value, causal=False, scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
-                window=None, softcap=softcap, dropout=dropout, mask=attention_mask.bool(),
-                sink=sink if sinks is None else sinks[..., 0], bias=position_bias,
+                window=None, softcap=softcap, dropout=dropout, mask=attention_mask.bool(), sink=sink,
+                bias=position_bias,
             )  # fmt: skip
             return out.transpose(1, 2), None
-        batch, heads, seq, _ = query.shape
         if cu_seq_lens_q is None and key.shape[2] != seq:  # decoding with a KV cache (generate): one sequence a row
             return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling)
         if cu_seq_lens_q is None:
@@ -369,9 +369,8 @@ def _attention_forward(kernel: VarlenFn) -> Callable:
             raise ValueError(f"a packed batch has one row, got input_ids of shape ({batch}, {seq})")
         q, k, v = (x.transpose(1, 2).reshape(batch * seq, x.shape[1], x.shape[3]) for x in (query, key, value))
         extras = {}
-        if s_aux is not None or sinks is not None:  # per token and head: (B * T, H)
-            sink = s_aux.reshape(1, heads).expand(batch * seq, heads) if s_aux is not None else None
-            extras["sink"] = sink if sink is not None else sinks[..., 0].transpose(1, 2).reshape(batch * seq, heads)
+        if sink is not None:  # per token and head: (B * T, H)
+            extras["sink"] = sink.transpose(1, 2).reshape(batch * seq, heads)
         if position_bias is not None:
             extras["bias"] = position_bias.expand(batch, heads, seq, key.shape[2])
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -393,6 +392,14 @@ def _attention_forward(kernel: VarlenFn) -> Callable:
         return out.reshape(batch, seq, *out.shape[1:]), None
 
     return attention_forward
+
+
+def _sink_logits(s_aux, sinks, batch: int, heads: int, seq: int) -> torch.Tensor | None:
+    """Attention sinks as one logit per row, head and query (B, H, T): gpt-oss's per-head `s_aux` (H,) or a
+    per-query `sinks` (B, H, T, 1); None without."""
+    if s_aux is not None:
+        return s_aux.reshape(1, heads, 1).expand(batch, heads, seq)
+    return sinks[..., 0] if sinks is not None else None
 
 
 _POSITION_CACHE: dict = {}

@@ -186,7 +186,7 @@ def check_isolation(
     small = sample_packed(batch, vocab_size=base.config.get_text_config().vocab_size)
     cu = small[CU_SEQ_LENS_Q].cpu().tolist()
     if reference is None:
-        reference = "sdpa" if supports_sdpa(base) else "eager"
+        reference = _reference_attention(base)
     was_training = model.training
     model.eval()
     try:
@@ -377,6 +377,11 @@ def probe_packing(model: PreTrainedModel, check: bool = True) -> frozenset[str]:
     return frozenset(seen - {PROBE_NAME})
 
 
+def _reference_attention(model: PreTrainedModel) -> str:
+    """transformers' own attention for running examples alone: sdpa, eager where the model has no sdpa."""
+    return "sdpa" if supports_sdpa(model) else "eager"
+
+
 def _compute_dtype(model: torch.nn.Module) -> torch.dtype:
     param = next(model.parameters())
     device_type = param.device.type
@@ -389,7 +394,7 @@ def _refuse_packed_error(model: PreTrainedModel, ids: torch.Tensor, error: Excep
     """A packed forward raised: refuse in one line naming the module it raised in, unless the model cannot run one
     example alone either (then the error is the model's own, not packing's, and is raised as it is)."""
     try:
-        with attn_implementation_set(model, "sdpa" if supports_sdpa(model) else "eager"):
+        with attn_implementation_set(model, _reference_attention(model)):
             model(input_ids=ids[:, :5], use_cache=False)
     except Exception:
         raise error from None
@@ -405,7 +410,7 @@ def _refuse_packed_error(model: PreTrainedModel, ids: torch.Tensor, error: Excep
 def _compare_alone(model: PreTrainedModel, small: Mapping[str, Any], packed: torch.Tensor) -> None:
     """The probe's packed logits (per_example attention) against each example run alone; refuse a difference,
     naming the module that lets the examples see each other."""
-    reference = "sdpa" if supports_sdpa(model) else "eager"
+    reference = _reference_attention(model)
     rtol = ISOLATION_RTOL.get(_compute_dtype(model), 5e-2)
     ids, cu = small[INPUT_IDS], small[CU_SEQ_LENS_Q].tolist()
     with attn_implementation_set(model, reference):

@@ -46,8 +46,8 @@ MIXER_CLASS = re.compile(
 )
 _NOT_A_MIXER = re.compile(r"DecoderLayer|MoE|MLP|Model$")
 
-# Keyword arguments that carry packing boundaries: a mixer run per example gets none of them (each call is whole
-# examples), and transformers' kernel-less paths refuse them.
+# Keyword arguments that carry packing boundaries. A mixer called on whole examples takes none of them; the
+# PyTorch paths of transformers' mixers refuse them.
 _PACKING_KWARGS = frozenset({CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, "seq_idx", "cu_seqlens"})
 
 
