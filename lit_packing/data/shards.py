@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import datasets
 import pyarrow as pa
@@ -34,10 +34,13 @@ import pyarrow.parquet as pq
 from lit_packing.data.shapes import CHAT, LINE, PROBLEM, SHAPE_COLUMNS, example_problem, example_shape
 from lit_packing.errors import AssetError, DataError
 
-if TYPE_CHECKING:
-    from lit_packing.data.sources import Source
-
 _READ_ROWS = 1024  # rows turned into Python objects at a time: what bounds a reader's memory
+
+
+class NamesRows(Protocol):
+    """What a `DatasetShard` needs of the source that built it (every `lit_packing.data.sources.Source`)."""
+
+    def row_name(self, row: int) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,7 @@ class DatasetShard(Shard):
     """
 
     dataset: datasets.Dataset
-    source: Source
+    source: NamesRows
 
     def read(self, start: int = 0) -> Iterator[dict]:
         for begin in range(_check_start(start), len(self.dataset), _READ_ROWS):

@@ -6,7 +6,7 @@ Every source is a plain class chosen in YAML by `class_path` (`data.source`), wi
 `datasets.Dataset` (or a `datasets.DatasetDict` when the source has its own splits), a stable `fingerprint` and
 `row_name(row)`, how a user finds row `row` (`line 17 of chats.jsonl`, `row 16 of ChampChats()`). This module holds
 the `Source` base, `HFDataset` (anything `datasets` reads) and `LitData` (litdata's format); the packaged datasets
-(`ChampChats`, ...) are in `lit_packing.data.packaged`, and every name that lived here still imports from here.
+(`ChampChats`, ...) are sources too, in `lit_packing.data.packaged`.
 
 A source can also be read as a stream (`data.streaming`), without building it into the cache first: `shards()`
 gives its pieces in order, each a `Shard` (`lit_packing.data.shards`, every reader) read from any row on with
@@ -27,7 +27,6 @@ import os
 import re
 from collections import Counter
 from collections.abc import Iterator
-from importlib import import_module
 from pathlib import Path
 
 import datasets
@@ -35,61 +34,20 @@ from datasets import Features, Value
 
 from lit_packing._compat import packaged_builders
 from lit_packing.assets import check_local_or_hub
-from lit_packing.data.shapes import (
-    CHAT,
-    LINE,
-    MESSAGES,
-    PROBLEM,
-    PROMPT_COMPLETION,
-    ROLES,
-    SHAPE_COLUMNS,
-    TEXT,
-    example_problem,
-    example_shape,
-)
+from lit_packing.data.shapes import CHAT, LINE, MESSAGES, PROBLEM, PROMPT_COMPLETION, TEXT, example_shape
 from lit_packing.data.shards import (
     FILE_BUILDERS,
-    ArrowShard,
     DatasetShard,
-    FileShard,
-    JsonLinesShard,
     LitDataShard,
-    ParquetShard,
     Shard,
     StreamingShard,
     file_shards,
     import_litdata,
     is_json_array,
-    json_records,
     json_rows,
     json_shape,
-    parse_json_lines,
 )
 from lit_packing.errors import AssetError, ConfigError, DataError
-
-# The packaged datasets import `Source` from here: they are re-exported lazily (PEP 562), never in an import cycle.
-_PACKAGED = (
-    "ChampChats",
-    "ChampProblems",
-    "Chatterbot",
-    "HumanEval",
-    "StateOfTheUnion",
-    "champ_messages",
-    "champ_role",
-)
-__all__ = [
-    "CHAT", "LINE", "MESSAGES", "PROBLEM", "PROMPT_COMPLETION", "ROLES", "SHAPE_COLUMNS", "TEXT", "example_problem",
-    "example_shape",
-    "ArrowShard", "DatasetShard", "FileShard", "JsonLinesShard", "LitDataShard", "ParquetShard", "Shard",
-    "StreamingShard", "json_records", "parse_json_lines",
-    "HFDataset", "LitData", "Source", *_PACKAGED,
-]  # fmt: skip
-
-
-def __getattr__(name: str):
-    if name not in _PACKAGED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module("lit_packing.data.packaged"), name)
 
 
 def _hash(*parts: object) -> str:

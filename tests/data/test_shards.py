@@ -13,18 +13,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from lit_packing.data.encode import Encoder, chat_template, tokenize_batch
-from lit_packing.data.sources import (
+from lit_packing.data.packaged import HumanEval
+from lit_packing.data.shards import (
     ArrowShard,
     DatasetShard,
-    HFDataset,
-    HumanEval,
     JsonLinesShard,
-    LitData,
     LitDataShard,
     ParquetShard,
-    Source,
     StreamingShard,
 )
+from lit_packing.data.sources import HFDataset, LitData, Source
 from lit_packing.errors import AssetError, ConfigError
 
 QUESTIONS = ["What is a prime number?", "How do I reverse a list in Python?", "Name a noble gas.", "What is 7 * 8?"]

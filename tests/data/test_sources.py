@@ -7,17 +7,17 @@ import json
 import datasets
 import pytest
 
-from lit_packing.data.sources import (
+from lit_packing.data.packaged import (
     ChampChats,
     ChampProblems,
     Chatterbot,
-    HFDataset,
     HumanEval,
     StateOfTheUnion,
     champ_messages,
     champ_role,
-    example_shape,
 )
+from lit_packing.data.shapes import example_shape
+from lit_packing.data.sources import HFDataset
 
 
 @pytest.fixture(scope="module")
