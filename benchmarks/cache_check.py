@@ -17,7 +17,8 @@ from transformers import AutoTokenizer
 from lit_packing._compat import dataset_fingerprint
 from lit_packing.assets import resolve_pretrained
 from lit_packing.data import ChampChats
-from lit_packing.data.tokenize import cache_files, file_record, tokenization_fingerprint, tokenize_dataset
+from lit_packing.data.cache_check import cache_files, file_record
+from lit_packing.data.tokenize import tokenization_fingerprint, tokenize_dataset
 
 
 def best_of(repeats: int, fn) -> float:

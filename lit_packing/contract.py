@@ -25,7 +25,7 @@ from lit_packing.cost import ModelShape, flop_coefficients
 
 if TYPE_CHECKING:
     from lit_packing.batch import StepShape
-    from lit_packing.data.tokenize import TokenizationReport
+    from lit_packing.data.report import TokenizationReport
 
 
 @dataclass(frozen=True)

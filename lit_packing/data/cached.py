@@ -10,33 +10,27 @@ same steps, which then hit the cache, splits off the validation set by each exam
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import datasets
 import numpy as np
 import pyarrow.compute as pc
 from torch.utils.data import DataLoader
 
-from lit_packing.batch import INPUT_IDS, StepShape
+from lit_packing.batch import INDEX, INPUT_IDS, StepShape
 from lit_packing.contract import DataContract
-from lit_packing.data.feed import Feed, SamplerBuilder, data_loader, named_settings, require
-from lit_packing.data.tokenize import (
-    INDEX,
-    ROW,
-    SAMPLES,
-    TOKEN_HASH,
-    TokenizationReport,
-    TokenizedDataset,
-    column,
-    tokenize_dataset,
-)
+from lit_packing.data.encode import ROW, TOKEN_HASH
+from lit_packing.data.feed import Feed, FeedSettings, SamplerBuilder, data_loader, named_settings, require
+from lit_packing.data.report import SAMPLES
+from lit_packing.data.tokenize import Tokenized, TokenizedDataset, column, tokenize_dataset
 from lit_packing.errors import ConfigError, DataError, check_range
 from lit_packing.samplers import PlannedBatchSampler
 from lit_packing.text import count
 
 if TYPE_CHECKING:
-    from lit_packing.data.datamodule import PackingDataModule
+    import lightning.pytorch as pl
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +50,22 @@ def check_val_split(val_split: int | float) -> None:
         raise ConfigError(error.setting, error.problem, fix) from None
 
 
-def split_rows(n: int, val_split: int | float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Deterministic train / validation split of rows `0..n-1`: `(train_rows, val_rows)`, each sorted.
+class SplitRows(NamedTuple):
+    """The rows of a train / validation split, each sorted."""
+
+    train: np.ndarray
+    val: np.ndarray
+
+
+class Limited(NamedTuple):
+    """`data.limit`'s choice of a split: the examples kept, and their rows in the source (None: all of them)."""
+
+    dataset: datasets.Dataset
+    rows: np.ndarray | None
+
+
+def split_rows(n: int, val_split: int | float, seed: int) -> SplitRows:
+    """Deterministic train / validation split of rows `0..n-1`: `(train, val)` rows, each sorted.
 
     A fraction adapts to the data (0.05 of 30 examples is 2, of a million 50,000); a count is taken as given.
 
@@ -83,7 +91,7 @@ def split_rows(n: int, val_split: int | float, seed: int) -> tuple[np.ndarray, n
             )
         n_val = val_split
     order = np.random.default_rng(seed).permutation(n)
-    return np.sort(order[n_val:]), np.sort(order[:n_val])
+    return SplitRows(np.sort(order[n_val:]), np.sort(order[:n_val]))
 
 
 def check_val_check_interval(trainer: Any, train_steps: int) -> None:
@@ -116,19 +124,19 @@ class CachedFeed(Feed):
     """The source tokenized into the disk cache, split into train / validation (/ test) `TokenizedDataset`s, and
     a DataLoader of the configured sampler's packs of the training set."""
 
-    def __init__(self, data: PackingDataModule) -> None:
-        super().__init__(data)
+    def __init__(self, settings: FeedSettings) -> None:
+        super().__init__(settings)
         self.prepared = False  # `prepare` ran in this process (and announced the data)
 
-    def prepare(self) -> None:
+    def prepare(self, tokenizer: Any) -> None:
         """Load the source and tokenize it into the disk cache."""
-        self._tokenize(announce=True)
+        self._tokenize(tokenizer, announce=True)
         self.prepared = True
 
-    def publish(self, stage: str | None) -> DataContract:
+    def publish(self, stage: str | None, tokenizer: Any, trainer: pl.Trainer | None) -> DataContract:
         """Tokenize (from the cache), split, and build `train_dataset`, `val_dataset`, `test_dataset` and `report`."""
-        data = self.data
-        tokenized = self._tokenize(announce=not self.prepared)  # one line per run says where the data came from
+        settings = self.settings
+        tokenized = self._tokenize(tokenizer, announce=not self.prepared)  # one line per run: where the data came from
         train, self.report = tokenized["train"]
         if "validation" in tokenized:
             val, val_report = tokenized["validation"]
@@ -148,39 +156,37 @@ class CachedFeed(Feed):
         self.test_dataset = TokenizedDataset(test) if len(test) else None
         own_test = f" / {len(test):,} test" if "test" in tokenized else ""
         log.info(
-            "%r with %s: %s; %s train / %s validation%s examples", data.source, data.tokenizer_name, self.report,
-            f"{len(self.train_dataset):,}", f"{len(val):,}", own_test,
+            "%r with %s: %s; %s train / %s validation%s examples", settings.source, settings.tokenizer_name,
+            self.report, f"{len(self.train_dataset):,}", f"{len(val):,}", own_test,
         )  # fmt: skip
         self._warn_about(train, val)
         return DataContract(
-            tokenizer=data.tokenizer,
+            tokenizer=tokenizer,
             token_id_range=self.token_id_range(),
             name_rows=self.name_rows,
-            largest_step=data.largest_step,
+            largest_step=functools.partial(self.largest_step, tokenizer),
             report=self.report,
             overlap_examples=self.overlap_examples,
         )
 
-    def train_loader(self, build: SamplerBuilder) -> DataLoader:
+    def train_loader(self, build: SamplerBuilder, tokenizer: Any, trainer: pl.Trainer | None) -> DataLoader:
         """Every pack carries its optimizer step's label totals (`label_counter`): the loss needs no communication."""
-        data = self.data
         dataset = require(self.train_dataset)
         self.sampler = build(dataset.lengths, dataset.count_labels)
         self._apply_position()
         with named_settings("collator"):
-            self.largest_step()  # a padding rule that cannot hold the plan's largest pack fails here, not mid-epoch
-        trainer = data.trainer
+            self.largest_step(tokenizer)  # a padding rule that cannot hold the largest pack fails here, not mid-epoch
         if trainer is not None:
             check_val_check_interval(trainer, len(self.sampler))
         rank = trainer.global_rank if trainer is not None else 0
-        collate = data.collator(data.pad_token_id)
-        return data_loader(dataset, self.sampler, collate, data.num_workers, rank, resumable=self.has_position)
+        collate = self.collate(tokenizer)
+        return data_loader(dataset, self.sampler, collate, self.settings.num_workers, rank, self.has_position)
 
-    def largest_step(self) -> StepShape | None:
+    def largest_step(self, tokenizer: Any) -> StepShape | None:
         """The collator's slots of the sampler's plan (no batch is built); None for a sampler without a plan."""
         if not isinstance(self.sampler, PlannedBatchSampler):
             return None
-        return self.data.collator(self.data.pad_token_id).plan_slots(self.sampler.plan()).largest()
+        return self.collate(tokenizer).plan_slots(self.sampler.plan()).largest()
 
     def position(self, trained: int | None) -> dict[str, Any]:
         if trained is None or not isinstance(self.sampler, PlannedBatchSampler):
@@ -202,20 +208,21 @@ class CachedFeed(Feed):
         """Training examples (their `index`, as `batch["rows"]` carries) named as the user counts them."""
         table = require(self.train_dataset).dataset
         where = dict(zip(column(table, INDEX).tolist(), column(table, ROW).tolist()))
-        return "; ".join(self.data.source.row_name(where[i]) if i in where else f"index {i}" for i in indices)
+        return "; ".join(self.settings.source.row_name(where[i]) if i in where else f"index {i}" for i in indices)
 
-    def _tokenize(self, announce: bool) -> dict[str, tuple[datasets.Dataset, TokenizationReport]]:
+    def _tokenize(self, tokenizer: Any, announce: bool) -> dict[str, Tokenized]:
         """`{"train": (tokenized, report)}`, plus `"validation"` / `"test"` where the source has its own; with
         `announce`, one line per split says whether it is tokenized now or read from the cache."""
-        data = self.data
-        parts = self._raw_splits(data.source.load(cache_dir=data.cache_dir))
+        settings = self.settings
+        source = settings.source
+        parts = self._raw_splits(source.load(cache_dir=settings.cache_dir))
         tokenized = {}
         for name, raw in parts.items():
             subset, rows = self.limited(raw)
             tokenized[name] = tokenize_dataset(
-                subset, data.tokenizer, data.max_length, data.overlong, data.train_on, data.num_proc,
-                on_bad_row=data.on_bad_row, rows=rows, row_name=data.source.row_name,
-                announce=f"{data.source!r}{'' if name == 'train' else f' ({name})'} with {data.tokenizer_name}"
+                subset, tokenizer, settings.max_length, settings.overlong, settings.train_on, settings.num_proc,
+                on_bad_row=settings.on_bad_row, rows=rows, row_name=source.row_name,
+                announce=f"{source!r}{'' if name == 'train' else f' ({name})'} with {settings.tokenizer_name}"
                 if announce else None,
             )  # fmt: skip
         return tokenized
@@ -226,7 +233,7 @@ class CachedFeed(Feed):
         if "train" not in loaded:
             raise ConfigError(
                 "data.source.init_args.split",
-                f"{self.data.source!r} has splits {sorted(loaded)} but no 'train'",
+                f"{self.settings.source!r} has splits {sorted(loaded)} but no 'train'",
                 "choose one",
             )
         parts = {"train": loaded["train"]}
@@ -237,23 +244,23 @@ class CachedFeed(Feed):
             parts["test"] = loaded["test"]
         return parts
 
-    def limited(self, dataset: datasets.Dataset) -> tuple[datasets.Dataset, np.ndarray | None]:
+    def limited(self, dataset: datasets.Dataset) -> Limited:
         """A seeded random `data.limit` of the examples, with their rows in the source (None: all of them)."""
-        limit = self.data.limit
+        limit = self.settings.limit
         if limit is None or limit >= len(dataset):
-            return dataset, None
-        rows = np.sort(np.random.default_rng(self.data.seed).permutation(len(dataset))[:limit])
-        return dataset.select(rows), rows
+            return Limited(dataset, None)
+        rows = np.sort(np.random.default_rng(self.settings.seed).permutation(len(dataset))[:limit])
+        return Limited(dataset.select(rows), rows)
 
     def _split(self, tokenized: datasets.Dataset, n_examples: int) -> tuple[datasets.Dataset, datasets.Dataset]:
         """Split by each example's row in the source (`index`), so drops never move an example across splits."""
-        _, val_rows = split_rows(n_examples, self.data.val_split, self.data.seed)
+        val_rows = split_rows(n_examples, self.settings.val_split, self.settings.seed).val
         is_val = np.isin(column(tokenized, INDEX), val_rows)
         return tokenized.select(np.flatnonzero(~is_val)), tokenized.select(np.flatnonzero(is_val))
 
     def _warn_about(self, train: datasets.Dataset, val: datasets.Dataset) -> None:
         """Name what was skipped, dropped or duplicated, and validation examples that also appear in training."""
-        report, name = self.report, self.data.source.row_name
+        report, name = self.report, self.settings.source.row_name
         for kind, what in (("bad", "bad row"), ("duplicate", "duplicate example")):
             if report.samples.get(kind):
                 n = report.bad_examples if kind == "bad" else report.duplicate_examples

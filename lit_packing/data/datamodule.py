@@ -4,8 +4,9 @@
 
 The examples come from a feed (`lit_packing.data.feed`): the cached one (`lit_packing.data.cached`: tokenized
 ahead into the `datasets` disk cache, split, packed over the whole epoch) or, with `streaming`, the streamed one
-(`lit_packing.data.stream_feed`: tokenized while it trains, packed window by window). The data module delegates
-to it, without asking which: `prepare_data` and `setup` prepare it and publish its `DataContract`
+(`lit_packing.data.stream_feed`: tokenized while it trains, packed window by window). The data module builds it
+from its settings (`FeedSettings`, frozen) and delegates to it, without asking which, handing each call the
+tokenizer and the trainer it needs: `prepare_data` and `setup` prepare it and publish its `DataContract`
 (`lit_packing.contract`), `train_dataloader` has it build the training loader, `state_dict` saves its trained
 position. What the data module keeps is what both share: the settings, the tokenizer, the global batch
 (`lit_packing.data.global_batch`, applied to `trainer.accumulate_grad_batches`), the validation loaders, and the
@@ -28,7 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from lightning.pytorch import LightningDataModule
@@ -40,7 +41,7 @@ from lit_packing.batch import StepShape
 from lit_packing.contract import DataContract, ModelContract
 from lit_packing.data.cached import CachedFeed, check_val_split
 from lit_packing.data.collate import PackedCollator, PaddedCollator
-from lit_packing.data.feed import Feed, data_loader, named_settings, require
+from lit_packing.data.feed import Feed, FeedSettings, data_loader, named_settings, pad_token_id, require
 from lit_packing.data.global_batch import (
     Accumulation,
     GlobalBatch,
@@ -54,7 +55,7 @@ from lit_packing.data.report import TokenizationReport
 from lit_packing.data.sources import Source
 from lit_packing.data.stream import Stream, StreamLoader
 from lit_packing.data.stream_feed import StreamFeed
-from lit_packing.data.tokenize import OnBadRow, TokenizedDataset, check_tokenize_settings
+from lit_packing.data.tokenize import OnBadRow, Overlong, TokenizedDataset, TrainOn, check_tokenize_settings
 from lit_packing.errors import ConfigError, check_range
 from lit_packing.samplers import BestFitPackingSampler, PlannedBatchSampler, RunContext
 
@@ -114,8 +115,8 @@ class PackingDataModule(LightningDataModule):
         source: Source | None = None,
         tokenizer: str = "smollm2",
         max_length: int = 2048,
-        overlong: Literal["truncate", "drop", "error"] = "truncate",
-        train_on: Literal["completion", "all"] = "completion",
+        overlong: Overlong = "truncate",
+        train_on: TrainOn = "completion",
         val_split: int | float = 0.05,
         limit: int | None = None,
         seed: int = 42,
@@ -171,12 +172,23 @@ class PackingDataModule(LightningDataModule):
         self.declared = self._probe("sampler", sampler)  # the training sampler on no data: its declared step size
         if val_sampler is not None:
             self._probe("val_sampler", val_sampler)
-        self.feed: Feed = (StreamFeed if self.streaming else CachedFeed)(self)
+        self.feed: Feed = (StreamFeed if self.streaming else CachedFeed)(self._feed_settings())
         self._tokenizer = None
         self.contract: DataContract | None = None  # published by `setup`
         self.model_contract: ModelContract | None = None  # what the model publishes (`connect_model`)
         self._auto_chosen: dict[str, int] = {}  # what a sampler's `auto` setting was sized to
         self._accumulate_setting: int | None = None  # `trainer.accumulate_grad_batches` as configured
+
+    def _feed_settings(self) -> FeedSettings:
+        """What the feed reads of these settings, and the step size the training sampler declares."""
+        return FeedSettings(
+            source=self.source, tokenizer_name=self.tokenizer_name, max_length=self.max_length,
+            overlong=self.overlong, train_on=self.train_on, on_bad_row=self.on_bad_row, val_split=self.val_split,
+            limit=self.limit, seed=self.seed, num_workers=self.num_workers, collator=self.collator,
+            cache_dir=self.cache_dir, num_proc=self.num_proc, buffer_size=self.buffer_size,
+            declared_max_tokens=getattr(self.declared, "max_tokens", None),
+            declared_batch_size=getattr(self.declared, "batch_size", None),
+        )  # fmt: skip
 
     # ------------------------------------------------------------ run-time values (linked to the model by the CLI)
 
@@ -198,10 +210,7 @@ class PackingDataModule(LightningDataModule):
     @property
     def pad_token_id(self) -> int:
         """The tokenizer's pad id, else its eos id, else 0 (pad positions are never trained or attended)."""
-        for candidate in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id):
-            if candidate is not None:
-                return candidate
-        return 0
+        return pad_token_id(self.tokenizer)
 
     @property
     def train_lengths(self) -> np.ndarray:
@@ -253,7 +262,7 @@ class PackingDataModule(LightningDataModule):
     def prepare_data(self) -> None:
         """What the feed needs on disk, once per node (Lightning runs this on one process per node): the source
         tokenized into the disk cache, or, for a stream, what its shards read (nothing is tokenized ahead)."""
-        self.feed.prepare()
+        self.feed.prepare(self.tokenizer)
 
     def setup(self, stage: str | None = None) -> None:
         """Build the feed's datasets and publish its `contract` once; for a fit, set the trainer's gradient
@@ -267,7 +276,7 @@ class PackingDataModule(LightningDataModule):
             if self.feed not in trainer.callbacks:
                 trainer.callbacks.append(self.feed)
         if self.contract is None:
-            self.contract = self.feed.publish(stage)
+            self.contract = self.feed.publish(stage, self.tokenizer, trainer)
 
     def teardown(self, stage: str) -> None:
         """Detach the feed that `setup` attached: a later fit of the same trainer aligns with its own data."""
@@ -275,7 +284,8 @@ class PackingDataModule(LightningDataModule):
             self.trainer.callbacks.remove(self.feed)
 
     def train_dataloader(self) -> DataLoader | StreamLoader:
-        return self.feed.train_loader(functools.partial(self._build_sampler, "sampler", self.sampler))
+        build = functools.partial(self._build_sampler, "sampler", self.sampler)
+        return self.feed.train_loader(build, self.tokenizer, self.trainer)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
@@ -329,7 +339,12 @@ class PackingDataModule(LightningDataModule):
             layout = (int(saved["world_size"]), int(saved["accumulate"]))
             world, accumulate = trainer.world_size, trainer.accumulate_grad_batches
             self._accumulate(resumed_accumulation(self._global_batch(), layout, configured, world, accumulate))
-        self.feed.restore(saved, state_dict.get("global_step"))
+        # The step saved with the position: `configure_optimizers` may build the loader (reading
+        # `trainer.estimated_stepping_batches`) before Lightning restores `trainer.global_step`.
+        step = state_dict.get("global_step")
+        if step is None:  # saved without a trainer
+            step = trainer.global_step if trainer is not None else 0
+        self.feed.restore(saved, step)
 
     # ------------------------------------------------------------ the global batch
 
@@ -362,7 +377,7 @@ class PackingDataModule(LightningDataModule):
         """The training plan's micro-batch that needs the most memory (the collator's slots of the sampler's
         plan; no batch is built); for a stream, the worst a window can plan (examples of `max_length` tokens);
         None before `train_dataloader` or for a sampler without a plan."""
-        return self.feed.largest_step()
+        return self.feed.largest_step(self.tokenizer)
 
     def _probe(self, component: str, factory: Callable) -> Sampler:
         """Build the sampler once on no data, so that its own checks run now, before tokenization."""

@@ -1,10 +1,14 @@
 """Where the training examples come from: a `Feed`, cached (`lit_packing.data.cached`) or streamed
 (`lit_packing.data.stream_feed`), behind the one small interface `PackingDataModule` delegates to.
 
-    feed.prepare()                      # prepare_data: the tokenized disk cache, or what the shards read
-    contract = feed.publish(stage)      # setup: the datasets and report, published as a DataContract
-    loader = feed.train_loader(build)   # build(lengths, label_counter) -> the configured sampler, connected
-    feed.largest_step(); feed.position(trained); feed.restore(position, step)
+    feed = CachedFeed(FeedSettings(source=Chatterbot(), ...))   # the data settings, fixed, checked by the data module
+    feed.prepare(tokenizer)                          # prepare_data: the tokenized disk cache, or what the shards read
+    contract = feed.publish(stage, tokenizer, trainer)          # setup: the datasets and report, as a DataContract
+    loader = feed.train_loader(build, tokenizer, trainer)       # build(lengths, label_counter) -> the sampler
+    feed.largest_step(tokenizer); feed.position(trained); feed.restore(position, step)
+
+A feed holds its settings (`FeedSettings`, frozen) and what it built from them; what is known only at run time, the
+tokenizer (loaded on first use) and the trainer (None outside a fit), comes as arguments of the call that needs it.
 
 A feed also owns the resume's alignment with Lightning: it is a callback, attached to the trainer by the data
 module's `setup` for a fit (and detached by its `teardown`), whose `on_train_start` makes the fit loop count the
@@ -22,7 +26,8 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import lightning.pytorch as pl
 import numpy as np
@@ -37,28 +42,65 @@ from lit_packing.samplers.base import PackPlan
 
 if TYPE_CHECKING:
     from lit_packing.batch import StepShape
-    from lit_packing.data.datamodule import PackingDataModule
+    from lit_packing.data.collate import PackedCollator, PaddedCollator
     from lit_packing.data.report import TokenizationReport
+    from lit_packing.data.sources import Source
     from lit_packing.data.stream import Stream
-    from lit_packing.data.tokenize import TokenizedDataset
+    from lit_packing.data.tokenize import OnBadRow, Overlong, TokenizedDataset, TrainOn
 
 log = logging.getLogger(__name__)
 
 SamplerBuilder = Callable[[np.ndarray, Callable[[list], list[int]]], Sampler]  # (lengths, label counter) -> sampler
 
 
-class Feed(pl.Callback):
-    """The training examples of a `PackingDataModule`, read from its settings (`data`), and the training sampler's
-    position. A subclass implements `prepare`, `publish`, `train_loader`, `largest_step` and `position`.
+@dataclass(frozen=True)
+class FeedSettings:
+    """The data settings a feed reads: `PackingDataModule`'s arguments of the same names (documented there), as it
+    checked them, and what its training sampler declares of its step size.
 
     Attributes:
+        declared_max_tokens, declared_batch_size: the training sampler's `max_tokens` / `batch_size` (an int,
+            `auto`, or None where it has no such setting), as `PackingDataModule.declared` built it on no data.
+    """
+
+    source: Source
+    tokenizer_name: str
+    max_length: int
+    overlong: Overlong
+    train_on: TrainOn
+    on_bad_row: OnBadRow
+    val_split: int | float
+    limit: int | None
+    seed: int
+    num_workers: int
+    collator: Callable[[int], PackedCollator | PaddedCollator]
+    cache_dir: str | None
+    num_proc: int | None
+    buffer_size: int
+    declared_max_tokens: int | str | None = None
+    declared_batch_size: int | str | None = None
+
+
+class AutoCandidates(NamedTuple):
+    """The values an `auto` sampler setting may take, and the most memory-hungry pack of each value."""
+
+    candidates: list[int]
+    worst_pack: Callable[[int], PackPlan]
+
+
+class Feed(pl.Callback):
+    """The training examples, read by the `settings`, and the training sampler's position. A subclass implements
+    `prepare`, `publish`, `train_loader`, `largest_step` and `position`.
+
+    Attributes:
+        settings: the data settings (frozen).
         sampler: the training loader's sampler (`PackingDataModule.train_sampler`), once `train_loader` built it.
         report, train_dataset, val_dataset, test_dataset: what `publish` built (the stream has no train dataset).
         stream: the stream's settings (`lit_packing.data.stream.Stream`); None for the cached path.
     """
 
-    def __init__(self, data: PackingDataModule) -> None:
-        self.data = data
+    def __init__(self, settings: FeedSettings) -> None:
+        self.settings = settings
         self.sampler: Any = None
         self.report: TokenizationReport | None = None
         self.train_dataset: TokenizedDataset | None = None
@@ -66,21 +108,21 @@ class Feed(pl.Callback):
         self.test_dataset: TokenizedDataset | None = None
         self.stream: Stream | None = None
         self.overlap_examples = 0  # validation examples whose tokens equal a training example's
-        self._pending: tuple[dict[str, Any], int | None] | None = None  # `restore`'s, until the sampler exists
+        self._pending: tuple[dict[str, Any], int] | None = None  # `restore`'s, until the sampler exists
 
-    def prepare(self) -> None:
+    def prepare(self, tokenizer: Any) -> None:
         """Once per node, before `publish`: what the examples need on disk."""
         raise NotImplementedError
 
-    def publish(self, stage: str | None) -> DataContract:
+    def publish(self, stage: str | None, tokenizer: Any, trainer: pl.Trainer | None) -> DataContract:
         """Build the datasets and the report, and return what the model and the callbacks may know of them."""
         raise NotImplementedError
 
-    def train_loader(self, build: SamplerBuilder) -> DataLoader | Any:
+    def train_loader(self, build: SamplerBuilder, tokenizer: Any, trainer: pl.Trainer | None) -> DataLoader | Any:
         """The training loader, its sampler built by `build` (and a restored position applied to it)."""
         raise NotImplementedError
 
-    def largest_step(self) -> StepShape | None:
+    def largest_step(self, tokenizer: Any) -> StepShape | None:
         """The training micro-batch that needs the most memory; None before `train_loader` or without a plan."""
         raise NotImplementedError
 
@@ -91,9 +133,13 @@ class Feed(pl.Callback):
 
     def auto_candidates(
         self, setting: str, candidates: list[int], worst_pack: Callable[[int], PackPlan]
-    ) -> tuple[list[int], Callable[[int], PackPlan]]:
+    ) -> AutoCandidates:
         """The values an `auto` sampler setting may take and the most memory-hungry pack of each: the sampler's."""
-        return candidates, worst_pack
+        return AutoCandidates(candidates, worst_pack)
+
+    def collate(self, tokenizer: Any) -> PackedCollator | PaddedCollator:
+        """The training collator (`collator`), padding with the tokenizer's pad id."""
+        return self.settings.collator(pad_token_id(tokenizer))
 
     @property
     def has_position(self) -> bool:
@@ -106,7 +152,7 @@ class Feed(pl.Callback):
         another layout, the start of the first optimizer step not completed); None otherwise."""
         return getattr(self.sampler, "resumed_at", None)
 
-    def restore(self, position: dict[str, Any], step: int | None = None) -> None:
+    def restore(self, position: dict[str, Any], step: int) -> None:
         """Put the training sampler at `position` (saved at optimizer step `step`): now, or when `train_loader`
         builds it (Lightning restores a data module before it asks for any loader)."""
         self._pending = position, step
@@ -120,10 +166,6 @@ class Feed(pl.Callback):
         (position, step), self._pending = self._pending, None
         with named_settings("sampler", self.sampler):
             self.sampler.load_state_dict(position)
-        # The step saved with the position: `configure_optimizers` may build the loader (reading
-        # `trainer.estimated_stepping_batches`) before Lightning restores `trainer.global_step`.
-        if step is None:
-            step = self.data.trainer.global_step if self.data.trainer is not None else 0
         restored = getattr(self.sampler, "restored", None) or "the saved position"
         log.info("resumed at optimizer step %s: %s", f"{step:,}", restored)
 
@@ -134,6 +176,14 @@ class Feed(pl.Callback):
         resumed_at = self.resumed_at
         if resumed_at is not None and resumed_at != ready_batches(trainer):
             move_epoch_position(trainer, resumed_at)
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The tokenizer's pad id, else its eos id, else 0 (pad positions are never trained or attended)."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return candidate
+    return 0
 
 
 def require(dataset: TokenizedDataset | None) -> TokenizedDataset:

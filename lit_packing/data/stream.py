@@ -38,7 +38,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -682,11 +682,16 @@ def _window_key(epoch: int, window: int) -> int:
     return (epoch << 32) | window
 
 
-def held_out(
-    source: Source, count_: int, cache_dir: str | None = None
-) -> tuple[list[list[int]], list[dict], list[int]]:
-    """The first `count_` rows of every member (in its shards' sorted order), held out for validation: (per member,
-    rows held out of each shard), the raw rows, and their example ids."""
+class HeldOut(NamedTuple):
+    """The rows `held_out` holds out for validation."""
+
+    per_shard: list[list[int]]  # per member, the rows held out of each of its shards (`Stream`'s `held`)
+    rows: list[dict]  # the raw rows
+    ids: list[int]  # their example ids (`example_id`)
+
+
+def held_out(source: Source, count_: int, cache_dir: str | None = None) -> HeldOut:
+    """The first `count_` rows of every member (in its shards' sorted order), held out for validation."""
     held, rows, ids = [], [], []
     for i, member in enumerate(members(source)):
         per_shard, left = [], count_
@@ -699,4 +704,4 @@ def held_out(
             ids.extend(example_id(i, s, raw.get(LINE, r)) for r, raw in enumerate(taken))
             left -= len(taken)
         held.append(per_shard)
-    return held, rows, ids
+    return HeldOut(held, rows, ids)

@@ -20,7 +20,7 @@ numbers); with `skip` they are left out and counted. The cache file `datasets.ma
 size + XXH3-128 record kept beside it on every load, and rebuilt when it differs (`lit_packing.data.cache_check`).
 
 This module is the map-style path: `tokenize_dataset` and `TokenizedDataset`. The encoding it shares with the stream
-is `lit_packing.data.encode`, the report `lit_packing.data.report`; the names that lived here still import from here.
+is `lit_packing.data.encode`, the report `lit_packing.data.report`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import hashlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import datasets
 import numpy as np
@@ -37,42 +37,22 @@ import torch
 
 from lit_packing._compat import dataset_fingerprint
 from lit_packing.batch import IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, TRUNCATED_TOKENS, Pack
-from lit_packing.data.cache_check import (
-    STALE_TMP_SECONDS,
-    cache_files,
-    checksum_path,
-    file_record,
-    remove_stale_tmp,
-    verify_cache,
-    write_record,
-)
+from lit_packing.data.cache_check import checksum_path, remove_stale_tmp, verify_cache, write_record
 from lit_packing.data.encode import (
-    DEFAULT_CHAT_TEMPLATE,
     DROPPED,
     FEATURES,
     LABEL_TOKENS,
     LENGTH,
     OUTPUT_COLUMNS,
-    ROW,
-    TOKEN_HASH,
     Encoder,
     bos_prefix,
     chat_template,
-    token_hash,
     tokenize_batch,
 )
-from lit_packing.data.report import SAMPLES, TokenizationReport, check_report, report_of
-from lit_packing.data.shapes import CHAT, LINE, PROBLEM, PROMPT_COMPLETION, example_problem, example_shape
+from lit_packing.data.report import TokenizationReport, check_report, report_of
+from lit_packing.data.shapes import CHAT, example_shape
 from lit_packing.errors import ConfigError, DataError
 from lit_packing.text import count
-
-__all__ = [
-    "DEFAULT_CHAT_TEMPLATE", "LABEL_TOKENS", "LENGTH", "OUTPUT_COLUMNS", "ROW", "SAMPLES", "STALE_TMP_SECONDS",
-    "TOKEN_HASH", "TOKENIZE_VERSION", "OnBadRow", "Overlong", "TokenizationReport", "TokenizedDataset", "TrainOn",
-    "bos_prefix", "cache_files", "chat_template", "check_report", "check_tokenize_settings", "column", "file_record",
-    "report_of", "token_hash", "tokenization_fingerprint", "tokenize_dataset", "tokenizer_fingerprint",
-    "CHAT", "INDEX", "LINE", "PROBLEM", "PROMPT_COMPLETION", "example_problem", "example_shape",
-]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +115,13 @@ def check_tokenize_settings(max_length: int, overlong: str, train_on: str, on_ba
         raise ConfigError("data.max_length", f"must be >= 2 to hold a trained token, got {max_length}")
 
 
+class Tokenized(NamedTuple):
+    """What `tokenize_dataset` returns: the kept examples and the report of what was skipped, cut and dropped."""
+
+    dataset: datasets.Dataset
+    report: TokenizationReport
+
+
 def tokenize_dataset(
     dataset: datasets.Dataset,
     tokenizer,
@@ -146,7 +133,7 @@ def tokenize_dataset(
     rows: np.ndarray | None = None,
     row_name: Callable[[int], str] = "row {:,}".format,
     announce: str | None = None,
-) -> tuple[datasets.Dataset, TokenizationReport]:
+) -> Tokenized:
     """Tokenize every example with `datasets.map` (batched, cached and checksummed next to the dataset's files).
 
     Args:
@@ -177,7 +164,7 @@ def tokenize_dataset(
     if shape == CHAT and not tokenizer.chat_template:
         log.warning(
             "tokenizer %r has no chat template: chats are rendered with ChatML "
-            "(lit_packing.data.tokenize.DEFAULT_CHAT_TEMPLATE; its markers are plain text to this tokenizer)",
+            "(lit_packing.data.DEFAULT_CHAT_TEMPLATE; its markers are plain text to this tokenizer)",
             tokenizer.name_or_path,
         )
     fingerprint = tokenization_fingerprint(
@@ -200,7 +187,7 @@ def tokenize_dataset(
     report = _report(mapped)
     check_report(report, on_bad_row, overlong, max_length, row_name)
     kept = np.flatnonzero(column(mapped, DROPPED) == "")
-    return mapped.select(kept).select_columns(OUTPUT_COLUMNS), report
+    return Tokenized(mapped.select(kept).select_columns(OUTPUT_COLUMNS), report)
 
 
 def _map(dataset, tokenizer, shape, template, max_length, overlong, train_on, num_proc, rows, fingerprint):

@@ -172,7 +172,7 @@ def read_rows(tmp_path):
 
 def test_dataset_counts_are_logged_once_and_truncation_per_step(tmp_path):
     """`train/truncated_tokens` is each step's own count; `data/...` (the dataset's report) is logged once."""
-    from lit_packing.data.tokenize import TokenizationReport
+    from lit_packing.data.report import TokenizationReport
 
     batches = [PackedCollator()(examples(lengths)) for lengths in BATCH_LENGTHS]
     for batch, cut in zip(batches, (5, 0, 2)):

@@ -12,8 +12,9 @@ from jsonargparse import ArgumentParser
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch import LightningModule, Trainer
 
+from lit_packing.batch import INDEX
 from lit_packing.data import ChampChats, Chatterbot, HFDataset, PackingDataModule, PaddedCollator, split_rows
-from lit_packing.data.tokenize import INDEX, column
+from lit_packing.data.tokenize import column
 from lit_packing.samplers import BestFitPackingSampler, SequentialPackingSampler
 
 

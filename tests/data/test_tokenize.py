@@ -10,12 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from lit_packing.data import tokenize as tok_module
-from lit_packing.data.tokenize import (
-    DEFAULT_CHAT_TEMPLATE,
-    TokenizedDataset,
-    tokenization_fingerprint,
-    tokenize_dataset,
-)
+from lit_packing.data.encode import DEFAULT_CHAT_TEMPLATE
+from lit_packing.data.tokenize import TokenizedDataset, tokenization_fingerprint, tokenize_dataset
 from lit_packing.errors import DataError
 
 IGNORE = -100

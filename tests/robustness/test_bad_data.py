@@ -143,7 +143,7 @@ def test_overlong_error_names_the_source_row_not_the_sampled_one(tmp_path):
         source=HFDataset(path, split="train"), limit=40, max_length=64, overlong="error",
         cache_dir=str(tmp_path / "cache"),
     )  # fmt: skip
-    rows = dm.feed.limited(dm.source.load(dm.cache_dir))[1]
+    rows = dm.feed.limited(dm.source.load(dm.cache_dir)).rows
     assert 30 in rows.tolist() and rows.tolist().index(30) != 30  # the long row sits elsewhere in the sample
     with pytest.raises(DataError, match=rf"first line 31 of {path} \("):
         dm.setup("fit")
@@ -162,4 +162,4 @@ def test_chat_without_template_says_which_template(tmp_path, gpt2_tokenizer, cap
         _, report = load_and_tokenize(path, gpt2_tokenizer, str(tmp_path / "cache"))
     assert report.examples_out == 3
     assert "has no chat template: chats are rendered with ChatML" in caplog.text
-    assert "lit_packing.data.tokenize.DEFAULT_CHAT_TEMPLATE" in caplog.text
+    assert "lit_packing.data.DEFAULT_CHAT_TEMPLATE" in caplog.text  # a name the user can import

@@ -12,7 +12,8 @@ from pathlib import Path
 import datasets
 import pytest
 
-from lit_packing.data.tokenize import STALE_TMP_SECONDS, tokenize_dataset
+from lit_packing.data.cache_check import STALE_TMP_SECONDS
+from lit_packing.data.tokenize import tokenize_dataset
 
 CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there, how are you?"}]
 

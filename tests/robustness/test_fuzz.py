@@ -17,17 +17,11 @@ import pytest
 
 from lit_packing.batch import CU_SEQ_LENS_Q, INDEX, INPUT_IDS, LABELS
 from lit_packing.data import PackedCollator
-from lit_packing.data.encode import FEATURES, Encoder, tokenize_batch
+from lit_packing.data.encode import FEATURES, Encoder, chat_template, tokenize_batch
+from lit_packing.data.report import SAMPLES, check_report
 from lit_packing.data.shapes import CHAT, PROMPT_COMPLETION, TEXT
 from lit_packing.data.shards import _normalized, parse_json_lines
-from lit_packing.data.tokenize import (
-    SAMPLES,
-    TokenizedDataset,
-    _report,
-    chat_template,
-    check_report,
-    column,
-)
+from lit_packing.data.tokenize import TokenizedDataset, _report, column
 from lit_packing.errors import DataError
 from lit_packing.samplers import (
     BestFitPackingSampler,
