@@ -6,8 +6,11 @@ Every value is overridable on the command line (`--data.sampler.init_args.max_to
 and sources are swapped by class_path, the attention backend by name (`--model.attn_backend=sdpa_mask`).
 A `LitPackingError` (bad setting, bad data, a diverged or empty run) is printed alone and exits with status 2.
 Defaults chosen for a first run: W&B (offline) + CSV logs and the resolved config in the run's folder, one
-`runs/checkpoints/last.ckpt` overwritten by each fit, progress bounded by `max_steps` (plain lines when output is
-not a terminal), validation cadence as a fraction of the run, and third-party tips and known-harmless warnings off.
+`runs/checkpoints/last.ckpt` overwritten by each fit and written atomically (`AtomicCheckpointIO`), a preemption
+signal ending the fit at a step's end with a checkpoint and a SLURM requeue (`PreemptionCheckpoint`),
+`--ckpt_path=last` resuming from the newest complete checkpoint, progress bounded by `max_steps` (plain lines
+when output is not a terminal), validation cadence as a fraction of the run, and third-party tips and
+known-harmless warnings off.
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ import os
 import re
 import sys
 import warnings
+from pathlib import Path
 from typing import NoReturn
 
 import datasets
 import transformers
 from jsonargparse import ArgumentParser, Namespace
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
@@ -31,15 +37,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lit_packing._compat import cli_setting, parser_options
 from lit_packing.callbacks import PackingMonitor, TokenThroughputMonitor
-from lit_packing.callbacks.checkpoint import LastCheckpoint
+from lit_packing.callbacks.checkpoint import LastCheckpoint, newest_checkpoint
+from lit_packing.callbacks.preemption import PreemptionCheckpoint, hpc_checkpoints
 from lit_packing.callbacks.progress import progress_callback
 from lit_packing.callbacks.validation import ValidationSchedule
+from lit_packing.checkpoint_io import AtomicCheckpointIO
 from lit_packing.data import PackingDataModule
 from lit_packing.errors import ConfigError, LitPackingError, TrainingError
 from lit_packing.models import PackedCausalLM
-from lit_packing.preflight import Position, check_left_to_train, preflight
+from lit_packing.preflight import Position, check_left_to_train, preflight, read_position
 from lit_packing.processes import tie_to_launcher
 
+log = logging.getLogger("lit_packing")
 # W&B offline (sync later with `wandb sync runs/wandb/offline-run-*`) plus a CSV file; both under runs/.
 DEFAULT_LOGGERS = [
     {
@@ -206,6 +215,27 @@ class PackingCLI(LightningCLI):
         parser.link_arguments("model.name_or_path", "data.tokenizer")
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
 
+    def before_fit(self) -> None:
+        """`--ckpt_path=last`, and no `--ckpt_path` in a SLURM job that was requeued or has a preemption checkpoint
+        (Lightning's own SLURM auto-resume, which would take `hpc_ckpt_<N>.ckpt` even when a `last.ckpt` is newer):
+        the newest complete checkpoint of the run, or a fresh start when there is none."""
+        settings = self.config_init[self.subcommand]
+        asked = settings.get("ckpt_path")
+        requeued = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
+        on_slurm = SLURMEnvironment.detect() and (requeued or hpc_checkpoints(Path(self.trainer.default_root_dir)))
+        if asked != "last" and not (asked is None and on_slurm):
+            return
+        path = newest_checkpoint(self.trainer)
+        settings.ckpt_path = None if path is None else str(path)
+        if path is None:
+            log.info(f"--ckpt_path=last: no checkpoint of this run yet under {self.trainer.default_root_dir}: "
+                     "training from the start")  # fmt: skip
+            return
+        self.checkpoint = read_position(str(path))
+        log.info(f"resuming from {path}, the newest complete checkpoint of this run: optimizer step "
+                 f"{self.checkpoint.global_step:,} (epoch {self.checkpoint.epoch})")  # fmt: skip
+        check_left_to_train(self.checkpoint, self.trainer.max_steps, self.trainer.max_epochs)
+
     def after_fit(self) -> None:
         """A fit that was asked to train and took no optimizer step is an error, not a success. A resume whose
         checkpoint had finished the epochs `trainer.max_epochs` allows (which `preflight` cannot see when it was
@@ -231,9 +261,16 @@ class PackingCLI(LightningCLI):
         if trainer_config.get("enable_progress_bar", True) is not False:
             callbacks.append(progress_callback())
         chose_checkpoints = any(isinstance(cb, ModelCheckpoint) for cb in callbacks)  # e.g. configs/multinode.yaml
-        if trainer_config.get("enable_checkpointing", True) is not False and not chose_checkpoints:
+        checkpointing = trainer_config.get("enable_checkpointing", True) is not False
+        if checkpointing and not chose_checkpoints:
             callbacks.append(LastCheckpoint())
-        return super().instantiate_trainer(**kwargs, callbacks=callbacks)
+        if checkpointing and not any(isinstance(cb, PreemptionCheckpoint) for cb in callbacks):
+            callbacks.append(PreemptionCheckpoint())  # after the ModelCheckpoints: see its docstring
+        plugins = trainer_config.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, list) else [plugins]
+        if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
+            plugins.append(AtomicCheckpointIO())
+        return super().instantiate_trainer(**kwargs, callbacks=callbacks, plugins=plugins)
 
 
 def cli_main(args: ArgsType = None, run: bool = True) -> PackingCLI:
