@@ -23,7 +23,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_packing.batch import ATTENTION_MASK, INPUT_IDS, PACKED_KEYS, POSITION_IDS
 from lit_packing.data.collate import PackedCollator, PaddedCollator
-from lit_packing.models.attention import attn_implementation, flash_attn_installed, torch_varlen_available
+from lit_packing.models.attention import attn_implementation
+from lit_packing.models.backends import flash_attn_installed, torch_varlen_available
 from lit_packing.models.loss import causal_lm_loss
 from lit_packing.models.mixers import keep_mixers_apart
 

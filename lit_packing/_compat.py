@@ -11,9 +11,10 @@ function whose attribute is gone raises `CompatError` with the same message inst
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import Sampler
@@ -407,6 +408,37 @@ def can_set_attn_implementation(model: Any) -> bool:
         lambda: type(model)._can_set_attn_implementation,
     )
     return bool(check())
+
+
+class MixerKernel(NamedTuple):
+    """A kernel a transformers mixer calls, and whether its package loads here (else it runs a PyTorch path that
+    refuses packing boundaries)."""
+
+    function: str  # the kernel's own name, e.g. `causal_conv1d_fn`, `chunk_gated_delta_rule`
+    package: str  # its import name: `causal_conv1d`, `mamba_ssm`, `fla`
+    installed: bool
+
+
+def mixer_kernels(module: Any) -> list[MixerKernel]:
+    """The packed-capable kernels of a token mixer's modeling module: the functions transformers wraps with its
+    fallback decorator (the package's kernel where installed, else the PyTorch path), which take packing
+    boundaries (`seq_idx`, `cu_seqlens`) only when the package is there. Empty for a module without them.
+
+    transformers: the closure of `integrations.hub_kernels.use_kernel_func_from_hub_with_fallback`'s wrapper
+    (`is_new_implementation`, `package`, `func_name`); checked on 5.24.0.
+    """
+    found = {}
+    for value in vars(sys.modules[type(module).__module__]).values():
+        code = getattr(value, "__code__", None)
+        if code is None or "is_new_implementation" not in code.co_freevars or not value.__closure__:
+            continue
+        cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in value.__closure__)))
+        try:
+            kernel = MixerKernel(str(cells["func_name"]), str(cells["package"]), bool(cells["is_new_implementation"]))
+        except KeyError as error:
+            raise CompatError(moved("transformers", "use_kernel_func_from_hub_with_fallback's wrapper")) from error
+        found[kernel.function] = kernel
+    return list(found.values())
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,25 +1,28 @@
-"""Models: the varlen attention backends, the loss and the isolation self-test (the Lightning-free core), and
-`PackedCausalLM`, the LightningModule on top (with its memory estimate and model loading).
+"""Models: `pack_model` (the one way to make a transformers causal LM train packed), the attention backends, the
+loss, the guards (batch check, construction probe, isolation self-test) -- the Lightning-free core -- and
+`PackedCausalLM`, the LightningModule on top.
 
-`PackedCausalLM` is imported on first use (PEP 562), so `lit_packing.models.attention`, `.loss` and `.isolation`
-import without Lightning, for plain PyTorch or Hugging Face Trainer users.
+`PackedCausalLM` is imported on first use (PEP 562), so the core modules import without Lightning, for plain
+PyTorch or Hugging Face Trainer users.
 """
 
 from lit_packing.errors import IsolationError
-from lit_packing.models.attention import BACKENDS, attn_implementation, register_backends, resolve_backend
-from lit_packing.models.isolation import check_isolation, check_packed_batch
+from lit_packing.models.backends import BACKENDS, resolve_backend
+from lit_packing.models.guard import check_packed_batch
 from lit_packing.models.loss import LossParts, causal_lm_loss
+from lit_packing.models.pack import Packing, pack_model
+from lit_packing.models.selftest import check_isolation
 
 __all__ = [
     "BACKENDS",
     "IsolationError",
     "LossParts",
     "PackedCausalLM",
-    "attn_implementation",
+    "Packing",
+    "causal_lm_loss",
     "check_isolation",
     "check_packed_batch",
-    "causal_lm_loss",
-    "register_backends",
+    "pack_model",
     "resolve_backend",
 ]
 

@@ -3,7 +3,7 @@
     lm = PackedCausalLM(name_or_path="smollm2", attn_backend="auto", lr=2e-5)
     Trainer(precision="bf16-mixed", accumulate_grad_batches=4).fit(lm, datamodule=dm)
 
-What it adds to a plain `AutoModelForCausalLM`:
+What it adds to a plain `AutoModelForCausalLM` (built by `loading.build_model`, made packed by `pack.pack_model`):
 - a varlen attention backend reading `cu_seq_lens_*` (see `attention.py`); padded batches run sdpa with their mask;
 - the loss computed here from the last hidden states chunk by chunk (the (T, V) logits are never built), as one
   global mean over every gradient-accumulation micro-batch and every data-parallel rank (`loss_normalization`), so
@@ -12,7 +12,7 @@ What it adds to a plain `AutoModelForCausalLM`:
   rescaled and no rank communicates for it;
 - a memory estimate of the largest step before the first one, and the largest step that fits for
   `max_tokens: auto` / `batch_size: auto` (`largest_fitting`; see `memory.py`);
-- a host-side check of every batch and an isolation self-test before the first step (see `isolation.py`);
+- a host-side check of every batch (`guard.py`) and an isolation self-test before the first step (`selftest.py`);
 - numerics guards: a non-finite loss or gradient stops the run naming the step (`nonfinite=error`) or skips the
   step and counts it (`skip`, logged as `train/nonfinite_steps`); `export` refuses non-finite weights; token ids
   outside the embedding table are refused at setup;
@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -33,31 +32,14 @@ import torchmetrics
 from lightning.pytorch import Callback, LightningModule
 
 from lit_packing._compat import attached_trainer, compiled_graphs, foreach_norm
-from lit_packing.batch import (
-    INPUT_IDS,
-    LABELS,
-    ROWS,
-    STEP,
-    StepShape,
-    is_packed,
-    model_inputs,
-)
+from lit_packing.batch import LABELS, ROWS, STEP, StepShape, is_packed, model_inputs
 from lit_packing.contract import DataContract, DataModelConnection, ModelContract
-from lit_packing.cost import flop_coefficients, model_shape
+from lit_packing.cost import model_shape
 from lit_packing.errors import AssetError, ConfigError, DataError, TrainingError, check_range
-from lit_packing.models.attention import (
-    AttentionNeeds,
-    AttnBackend,
-    VarlenImpl,
-    attention_needs,
-    attn_implementation,
-    available_backends,
-    precision_note,
-    resolve_backend,
-    select_varlen_impl,
-)
-from lit_packing.models.isolation import check_isolation, check_packed_batch, probe_packing
-from lit_packing.models.loading import DType, apply_lora, load_causal_lm, no_decay_parameter_ids
+from lit_packing.models.backends import AttnBackend, VarlenImpl, precision_note, select_varlen_impl
+from lit_packing.models.guard import check_packed_batch
+from lit_packing.models.head import check_liger, head_inputs
+from lit_packing.models.loading import DType, build_model
 from lit_packing.models.loss import (
     HeadInputs,
     LossImpl,
@@ -73,6 +55,10 @@ from lit_packing.models.memory import (
     increasing,
     memory_model,
 )
+from lit_packing.models.mixers import MixerChoice
+from lit_packing.models.optim import lr_schedule, parameter_groups
+from lit_packing.models.selftest import check_isolation
+from lit_packing.models.weights import apply_umask, check_finite_weights, describe_model, weights_mismatch
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +68,7 @@ Schedule = Literal["cosine", "linear", "constant"]
 NonFinite = Literal["error", "skip"]
 SAMPLE_ROWS = 8  # source rows named when a step fails
 # Core parameters that are `model.<name>` settings (a core `ConfigError` naming one is re-raised with that path).
-MODEL_SETTINGS = ("attn_backend", "varlen_impl", "loss_impl", "loss_normalization", "loss_chunk_size")
+MODEL_SETTINGS = ("attn_backend", "varlen_impl", "mixers", "loss_impl", "loss_normalization", "loss_chunk_size")
 # What the value of a sampler setting sized by `largest_fitting` (`auto`) counts, as its log line says it.
 AUTO_UNITS = {"max_tokens": "tokens per pack", "batch_size": "examples per batch"}
 
@@ -96,9 +82,12 @@ class PackedCausalLM(LightningModule):
         model_config: random init from these config kwargs (with `model_type`) instead of loading `model`.
         vocab_size: the tokenizer's size (linked from the data module); see `load_causal_lm`.
         dtype: parameter dtype; leave unset (float32) with `precision=bf16-mixed`.
-        attn_backend: auto | flash_attn | torch_varlen | per_example | sdpa_mask (see `attention.py`).
+        attn_backend: auto | flash_attn | torch_varlen | per_example | sdpa_mask (see `backends.py`).
         varlen_impl: the FlashAttention implementation `torch_varlen` runs: `auto` (FA3 / FA4 where PyTorch
             >= 2.12 finds their package and the GPU takes it, else FA2), `FA2` (built into PyTorch), `FA3`, `FA4`.
+        mixers: auto | kernel | per_example: how non-attention token mixers (state-space scans, delta rules,
+            convolutions) keep packed examples apart: their packed kernels where installed and exact in the
+            construction probe on the run's device, else per example (`auto`); see `mixers.py`.
         loss_normalization: `token`: one mean over all label tokens of the optimizer step (all micro-batches,
             all ranks); `sequence`: the mean over examples of each example's token mean (LongAlign).
         isolation_check: run the packed-vs-per-example self-test on the first packed training batch.
@@ -140,6 +129,7 @@ class PackedCausalLM(LightningModule):
         dtype: DType | None = None,
         attn_backend: AttnBackend = "auto",
         varlen_impl: VarlenImpl = "auto",
+        mixers: MixerChoice = "auto",
         loss_normalization: LossNormalization = "token",
         isolation_check: bool = True,
         loss_impl: LossImpl = "chunked",
@@ -166,26 +156,14 @@ class PackedCausalLM(LightningModule):
         _check_settings(self.hparams)
         with _named_model_settings():
             check_loss_settings(loss_impl, loss_chunk_size, loss_normalization)
-        # A backend no device of this machine can run fails before the model loads (the trainer's device is not
-        # known yet: `setup` resolves for it). The model loads on the host, so until the strategy moves it, it runs
-        # the backend for the host: the construction-time checks below run a forward there.
-        guess = "cuda" if torch.cuda.is_available() else "cpu"
-        _backend_here(attn_backend, guess)
-        self.attn_backend: str = self._backend_for(self.device, host=True)  # the backend in use (`auto` resolved)
-        self.model = load_causal_lm(
-            name_or_path, model_config, vocab_size, dtype, attn_implementation(self.attn_backend), resize_embeddings
-        )
-        # What its layers hand attention (sinks, a position bias), and whether packed examples stay apart in every
-        # layer: one tiny packed forward on the host, refused in one line naming the module that fails.
-        self.model._lit_packing_attention_keywords = probe_packing(self.model, check=isolation_check)
-        with _named_model_settings():  # a backend that cannot run this model (softcap on torch_varlen, ...)
-            _backend_here(attn_backend, guess, attention_needs(self.model))
-        if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if lora:
-            self.model = apply_lora(self.model, lora)
-        if loss_impl != "full":
-            check_head_inputs(self)
+        # Built on the host and checked for the device this machine trains on (a GPU backend on a machine without
+        # one fails here); `setup` resolves once more for the trainer's device (`Packing.to_device`).
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        with _named_model_settings():
+            self.model, self.packing = build_model(
+                name_or_path, model_config, vocab_size, dtype, attn_backend, device, mixers, isolation_check,
+                resize_embeddings, gradient_checkpointing, lora, check_head=loss_impl != "full",
+            )  # fmt: skip
         self.eval_metrics = torch.nn.ModuleDict({stage: _eval_metrics() for stage in ("val", "test")})
         self._step_totals: torch.Tensor | None = None  # [token loss sum, label tokens] of this step on this rank
         self._isolation_pending = isolation_check
@@ -197,6 +175,11 @@ class PackedCausalLM(LightningModule):
 
     # ------------------------------------------------------------------------------------------------------------
     # Setup
+
+    @property
+    def attn_backend(self) -> str:
+        """The attention backend the model runs now (`auto` resolved)."""
+        return self.packing.backend
 
     @property
     def hf_model(self):
@@ -228,9 +211,9 @@ class PackedCausalLM(LightningModule):
                 "use auto, ddp or fsdp",
             )
         device = self.trainer.strategy.root_device
-        self.attn_backend = self._backend_for(device)
+        with _named_model_settings():
+            self.packing.to_device(self.model, device)
         self._check_token_ids()
-        self.hf_model.set_attn_implementation(attn_implementation(self.attn_backend))
         if not getattr(self, "_described", False):  # once per process: what Lightning's model summary would say
             log.info(describe_model(self.model))
             self._described = True
@@ -248,17 +231,6 @@ class PackedCausalLM(LightningModule):
             # The decoder, which both the loss (hidden states) and `forward` (logits) run through.
             self.hf_model.base_model.compile(dynamic=None)
             self._compiled = True
-
-    def _backend_for(self, device: torch.device, host: bool = False) -> str:
-        """The configured backend resolved for `device` and this model. `host`: the model was just built on the
-        host and runs there until the strategy moves it (its construction-time checks): `auto` and the GPU-only
-        backends run per_example there. On the trainer's device, the configured backend itself (refused where it
-        cannot run)."""
-        backend = self.hparams.attn_backend
-        if host and torch.device(device).type == "cpu" and backend not in ("per_example", "sdpa_mask"):
-            backend = "auto"
-        model = getattr(self, "model", None)
-        return _backend_here(backend, device, attention_needs(self.hf_model) if model is not None else None)
 
     def _check_token_ids(self) -> None:
         """Refuse data whose token ids fall outside the embedding table (once, from the data's max id)."""
@@ -289,6 +261,9 @@ class PackedCausalLM(LightningModule):
                 "resume with the model settings it was trained with (model.name_or_path, model.model_config, "
                 "model.lora), or start a new run without --ckpt_path",
             )
+
+    def on_fit_start(self) -> None:
+        self.packing.route_mixers(self.model)  # on the trainer's device now: the probe decides any kernel route
 
     def on_train_start(self) -> None:
         if self.hparams.memory_check:
@@ -380,15 +355,8 @@ class PackedCausalLM(LightningModule):
 
     def head_inputs(self, batch: Mapping[str, Any]) -> HeadInputs:
         """The final hidden states of a batch with the LM head, for a loss that never builds the (T, V) logits."""
-        hidden = self.hf_model.base_model(**model_inputs(batch), use_cache=False).last_hidden_state  # (B, T, H)
-        config = self.hf_model.config.get_text_config()
-        return HeadInputs(
-            hidden,
-            self.hf_model.get_output_embeddings(),
-            softcap=getattr(config, "final_logit_softcapping", None),
-            chunk_size=self.hparams.loss_chunk_size,
-            impl="liger" if self.hparams.loss_impl == "liger" else "chunked",
-        )
+        impl = "liger" if self.hparams.loss_impl == "liger" else "chunked"
+        return head_inputs(self.model, batch, self.hparams.loss_chunk_size, impl)
 
     def loss_outputs(self, batch: Mapping[str, Any]) -> torch.Tensor | HeadInputs:
         """What the loss reads: full logits (`loss_impl=full`) or `HeadInputs`."""
@@ -502,18 +470,16 @@ class PackedCausalLM(LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        params = [p for p in self.parameters() if p.requires_grad]
-        no_decay = no_decay_parameter_ids(self.model)
-        groups = [
-            {"params": [p for p in params if id(p) not in no_decay], "weight_decay": hp.weight_decay},
-            {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0},
-        ]
         # Fused AdamW unscales inside step(): Lightning's mixed-precision plugin (bf16-mixed and 16-mixed) refuses
         # to clip gradients for such an optimizer, so a clipped mixed-precision run takes the foreach kernel.
         mixed = str(self.trainer.precision).endswith("-mixed")
         fused = self.device.type == "cuda" and not (mixed and (self.trainer.gradient_clip_val or 0) > 0)
         optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]], lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused or None
+            parameter_groups(self.model, hp.weight_decay),
+            lr=hp.lr,
+            betas=tuple(hp.betas),
+            eps=hp.eps,
+            fused=fused or None,
         )
         total, kind = self.trainer.estimated_stepping_batches, hp.scheduler
         if not math.isfinite(total) and kind != "constant":
@@ -533,12 +499,7 @@ class PackedCausalLM(LightningModule):
         Raises:
             TrainingError: a weight is NaN or infinite; nothing is written.
         """
-        broken = [name for name, p in self.model.named_parameters() if not torch.isfinite(p).all()]
-        if broken:
-            raise TrainingError(
-                f"not exporting to {path}: {len(broken):,} weight tensors hold NaN or inf (first: {broken[0]}); "
-                f"the run diverged: lower model.lr or set trainer.gradient_clip_val, and train again"
-            )
+        check_finite_weights(self.model, path)
         self.model.save_pretrained(path)
         tokenizer = self._data.tokenizer if self._data is not None else None
         if tokenizer is None and self.hparams.model_config is None:
@@ -551,87 +512,8 @@ class PackedCausalLM(LightningModule):
                 tokenizer = AutoTokenizer.from_pretrained(folder)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
-        _apply_umask(path)
+        apply_umask(path)
         log.info("exported the model%s to %s", " and tokenizer" if tokenizer is not None else "", path)
-
-
-@torch.no_grad()
-def check_head_inputs(lm: PackedCausalLM) -> None:
-    """The hidden-states path must give the model's own logits: a model that transforms its logits in a way
-    `HeadInputs` does not know (only soft-capping is applied) is refused here, at construction, on 8 tokens."""
-    hf = lm.hf_model
-    ids = torch.arange(3, 11, device=hf.device)[None] % hf.config.get_text_config().vocab_size
-    was_training = hf.training
-    hf.eval()
-    try:
-        batch = {INPUT_IDS: ids}
-        expected = lm(batch)[0]
-        inputs = lm.head_inputs(batch)
-        got = inputs.logits(inputs.hidden[0])
-    finally:
-        hf.train(was_training)
-    scale = max(1.0, expected.abs().max().item())
-    if not torch.allclose(got, expected, rtol=0, atol=1e-4 * scale):
-        raise ConfigError(
-            "model.loss_impl",
-            f"{type(hf).__name__}'s LM head applied to its final hidden states does not reproduce its logits (the "
-            "model rescales them in its forward)",
-            "set model.loss_impl=full",
-        )
-
-
-def describe_model(model: torch.nn.Module) -> str:
-    """One start-up line: the model, its parameters (trainable, frozen) and the training FLOPs the toolkit counts.
-
-    `LlamaForCausalLM: 3,219,776 parameters (3,219,776 trainable, 0 frozen); training FLOPs 19.3M a token + 1,536
-    an attended pair`
-    """
-    unique = {id(p): p for p in model.parameters()}.values()
-    trainable = sum(p.numel() for p in unique if p.requires_grad)
-    frozen = sum(p.numel() for p in unique if not p.requires_grad)
-    per_token, per_pair = flop_coefficients(model_shape(model))
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return (
-        f"{type(base).__name__}: {trainable + frozen:,} parameters ({trainable:,} trainable, {frozen:,} frozen); "
-        f"training FLOPs {_si(per_token)} a token + {_si(per_pair)} an attended pair"
-    )
-
-
-def _si(value: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6)):
-        if value >= scale:
-            return f"{value / scale:.1f}{unit}"
-    return f"{value:,.0f}"
-
-
-def weights_mismatch(saved: Mapping[str, Any], here: Mapping[str, torch.Tensor], strict: bool = True) -> str:
-    """What differs between a checkpoint's state dict and the model's ('' when they match): shapes first, then
-    weights the model lacks, then (`strict`) weights the checkpoint lacks."""
-    shape = lambda t: tuple(getattr(t, "shape", ()))  # noqa: E731
-    wrong = [(k, shape(saved[k]), shape(t)) for k, t in here.items() if k in saved and shape(saved[k]) != shape(t)]
-    extra = [k for k in saved if k not in here]
-    missing = [k for k in here if k not in saved] if strict else []
-    parts = []
-    if wrong:
-        key, there, mine = wrong[0]
-        parts.append(f"{len(wrong):,} weights of another shape (first: {key}: {list(there)} there, {list(mine)} here)")
-    if extra:
-        parts.append(f"{len(extra):,} weights this model does not have (first: {extra[0]})")
-    if missing:
-        parts.append(f"none of {len(missing):,} of this model's weights (first: {missing[0]})")
-    return "; ".join(parts)
-
-
-def check_liger(device: torch.device, head: torch.nn.Module) -> None:
-    """`loss_impl=liger` needs CUDA, the liger-kernel package and a plain linear LM head."""
-    if device.type != "cuda":
-        raise ConfigError("model.loss_impl", f"liger runs Triton kernels on CUDA, not on {device}", "use chunked")
-    try:
-        import liger_kernel  # noqa: F401
-    except ImportError as err:
-        raise ConfigError("model.loss_impl", "liger needs liger-kernel", "pip install lit_packing[liger]") from err
-    if type(head) is not torch.nn.Linear:
-        raise ConfigError("model.loss_impl", f"liger needs a plain nn.Linear LM head, not {type(head).__name__}")
 
 
 def _check_settings(hp: Mapping[str, Any]) -> None:
@@ -659,16 +541,6 @@ def _named_model_settings():
         raise error.under({name: f"model.{name}" for name in MODEL_SETTINGS}) from None
 
 
-def _backend_here(backend: str, device: torch.device | str, needs: AttentionNeeds | None = None) -> str:
-    """`resolve_backend`, its `ConfigError` naming `model.attn_backend` and the backends this device can run."""
-    try:
-        return resolve_backend(backend, device, needs)
-    except ConfigError as error:
-        usable = ", ".join(available_backends(device, needs))
-        fix = f"{error.fix}; on {device} these run: auto, {usable}"
-        raise ConfigError(error.setting, error.problem, fix, {"attn_backend": "model.attn_backend"}) from None
-
-
 def _activation_dtype(model: torch.nn.Module, precision: str) -> torch.dtype:
     """The dtype attention sees: the autocast dtype of a mixed precision, else the parameters'."""
     if precision.startswith("bf16-mixed"):
@@ -676,34 +548,6 @@ def _activation_dtype(model: torch.nn.Module, precision: str) -> torch.dtype:
     if precision.startswith("16-mixed"):
         return torch.float16
     return next(model.parameters()).dtype
-
-
-def _apply_umask(folder: str) -> None:
-    """Give every file in `folder` the mode a plain `open()` would (transformers writes weights through a private
-    temporary file, mode 0600, so that others who can read the folder could not read `model.safetensors`)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for entry in os.scandir(folder):
-        if entry.is_file():
-            os.chmod(entry.path, 0o666 & ~umask)
-
-
-def lr_schedule(kind: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):
-    """LambdaLR multiplier: linear warmup over `warmup_steps`, then cosine / linear decay to `min_lr_ratio` at
-    `total_steps`, or constant."""
-    if kind not in ("cosine", "linear", "constant"):
-        raise ConfigError("model.scheduler", f"{kind!r} is not a choice", "use cosine, linear or constant")
-
-    def multiplier(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if kind == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        decay = 0.5 * (1 + math.cos(math.pi * progress)) if kind == "cosine" else 1 - progress
-        return min_lr_ratio + (1 - min_lr_ratio) * decay
-
-    return multiplier
 
 
 def _eval_metrics() -> torch.nn.ModuleDict:

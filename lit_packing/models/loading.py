@@ -1,22 +1,27 @@
-"""Build the transformers model a `PackedCausalLM` trains: pretrained or random from a config, LoRA optional.
+"""Build the transformers model a `PackedCausalLM` trains: pretrained or random from a config, made packed by
+`pack_model`, then gradient checkpointing, LoRA and the LM-head check, in that order.
 
-model = load_causal_lm("smollm2", attn_implementation="packed_per_example")
+    model, packing = load_causal_lm("smollm2", backend="auto")     # a packed transformers model, what was found
+    built = build_model(ModelSettings(name_or_path="smollm2", lora={"r": 8}))   # the whole sequence
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from lit_packing._compat import can_set_attn_implementation
 from lit_packing.assets import resolve_pretrained
 from lit_packing.errors import ConfigError
-from lit_packing.models.mixers import keep_mixers_apart
-from lit_packing.text import count
+from lit_packing.models.attention import attn_implementation
+from lit_packing.models.backends import AttnBackend
+from lit_packing.models.head import check_head_inputs
+from lit_packing.models.mixers import MixerChoice
+from lit_packing.models.pack import Packing, check_backend_here, pack_model
+from lit_packing.models.selftest import PADDED_FIX
 
 log = logging.getLogger(__name__)
 
@@ -33,15 +38,26 @@ def torch_dtype(dtype: str | None) -> torch.dtype | None:
     return getattr(torch, dtype)
 
 
+class LoadedModel(NamedTuple):
+    """A packed transformers model and what `pack_model` found in it."""
+
+    model: PreTrainedModel
+    packing: Packing
+
+
 def load_causal_lm(
     model: str = "smollm2",
     model_config: dict | None = None,
     vocab_size: int | None = None,
     dtype: str | None = None,
-    attn_implementation: str = "sdpa",
     resize_embeddings: bool = False,
-) -> PreTrainedModel:
-    """A causal LM: random weights from `model_config` if given, else pretrained weights of `model`.
+    backend: AttnBackend = "auto",
+    device: torch.device | str | None = None,
+    mixers: MixerChoice = "auto",
+    check: bool = True,
+) -> LoadedModel:
+    """A packed causal LM: random weights from `model_config` if given, else pretrained weights of `model`,
+    made packed by `pack_model` (see it for `backend`, `device`, `mixers` and `check`).
 
     Args:
         model: `smollm2` (packaged, offline), a local folder or a Hub name.
@@ -49,12 +65,14 @@ def load_causal_lm(
         vocab_size: the tokenizer's size. Sets the vocabulary of a config model; a pretrained model must have at
             least this many embedding rows (or `resize_embeddings=True`).
         dtype: parameter dtype (None: float32, the right choice with bf16-mixed precision).
-        attn_implementation: transformers attention implementation name.
         resize_embeddings: grow a pretrained model's embeddings to `vocab_size` instead of raising.
 
     Raises:
-        ValueError: the model cannot keep packed examples apart, or the tokenizer does not fit its vocabulary.
+        ConfigError: the model cannot keep packed examples apart, or the tokenizer does not fit its vocabulary.
     """
+    # Built with a packed implementation's name, so that a model choosing attention classes from its own table by
+    # that name fails here, in one line, rather than keeping its own attention unseen.
+    implementation = attn_implementation("per_example")
     if model_config is not None:
         cfg = dict(model_config)
         if vocab_size is not None:
@@ -67,26 +85,49 @@ def load_causal_lm(
                 )
             cfg["vocab_size"] = int(vocab_size)
         config = AutoConfig.for_model(**cfg)
-        with _own_attention_table(config.model_type, attn_implementation):
-            lm = AutoModelForCausalLM.from_config(
-                config, attn_implementation=attn_implementation, dtype=torch_dtype(dtype)
-            )
+        with _own_attention_table(config.model_type, implementation):
+            lm = AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=torch_dtype(dtype))
     else:
         path = resolve_pretrained(model)
-        with _own_attention_table(model, attn_implementation):
+        with _own_attention_table(model, implementation):
             lm = AutoModelForCausalLM.from_pretrained(
-                path, attn_implementation=attn_implementation, dtype=torch_dtype(dtype) or torch.float32
+                path, attn_implementation=implementation, dtype=torch_dtype(dtype) or torch.float32
             )
         _fit_vocabulary(lm, vocab_size, resize_embeddings, model)
-    check_packing_support(lm)
-    kept = keep_mixers_apart(lm)
-    if kept:
-        log.info(
-            "%s besides attention %s per example in packed rows (%s%s)",
-            count(len(kept), "token mixer"), "runs" if len(kept) == 1 else "run", kept[0], ", ..." * (len(kept) > 1),
-        )  # fmt: skip
+    packing = pack_model(lm, backend, device, mixers, check)
     # from_pretrained returns eval mode (dropout off); Lightning keeps submodule modes as it finds them.
-    return lm.train()
+    return LoadedModel(lm.train(), packing)
+
+
+def build_model(
+    name_or_path: str = "smollm2",
+    model_config: dict | None = None,
+    vocab_size: int | None = None,
+    dtype: str | None = None,
+    backend: AttnBackend = "auto",
+    device: torch.device | str | None = None,
+    mixers: MixerChoice = "auto",
+    check: bool = True,
+    resize_embeddings: bool = False,
+    gradient_checkpointing: bool = False,
+    lora: dict | None = None,
+    check_head: bool = True,
+) -> LoadedModel:
+    """The whole build of the model a `PackedCausalLM` trains: `load_causal_lm` (load, then `pack_model`), then
+    gradient checkpointing, LoRA adapters (`lora`: `peft.LoraConfig` kwargs) and, for a loss on the final hidden
+    states (`check_head`), the check that the LM head reproduces the model's logits. The returned model is the
+    trained module (a peft model with `lora`)."""
+    check_backend_here(backend, device or "cpu")  # a backend this machine cannot run fails before the model loads
+    lm, packing = load_causal_lm(
+        name_or_path, model_config, vocab_size, dtype, resize_embeddings, backend, device, mixers, check
+    )
+    if gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = apply_lora(lm, lora) if lora else lm
+    packing.on_host(lm)  # until the trainer places it: its construction-time forwards run on the host
+    if check_head:
+        check_head_inputs(model)
+    return LoadedModel(model, packing)
 
 
 @contextlib.contextmanager
@@ -102,25 +143,8 @@ def _own_attention_table(name: str, attn_implementation: str):
             "model.name_or_path",
             f"{name} builds its attention from its own table of implementations, not through transformers' "
             "AttentionInterface, so packed examples cannot be kept apart",
-            "choose a model that does (the families table in docs/model.md), or train it padded: --config "
-            "configs/padding.yaml (data.collator: lit_packing.data.PaddedCollator)",
+            f"choose a model that does (the families table in docs/model.md), {PADDED_FIX}",
         ) from None
-
-
-def check_packing_support(lm: PreTrainedModel) -> None:
-    """Raise unless the model's attention goes through transformers' AttentionInterface (the only place packed
-    boundaries can be honoured)."""
-    if not can_set_attn_implementation(lm):
-        where = next(
-            (f" ({name}, {type(m).__name__})" for name, m in lm.named_modules() if "Attention" in type(m).__name__), ""
-        )
-        raise ConfigError(
-            "model.name_or_path",
-            f"{type(lm).__name__} ({lm.config.model_type}) does not route attention{where} through transformers' "
-            "AttentionInterface, so packed examples cannot be kept apart",
-            "choose a model that does (the families table in docs/model.md), or train it padded: --config "
-            "configs/padding.yaml (data.collator: lit_packing.data.PaddedCollator)",
-        )
 
 
 def _fit_vocabulary(lm: PreTrainedModel, vocab_size: int | None, resize: bool, name: str) -> None:
@@ -143,12 +167,3 @@ def apply_lora(lm: PreTrainedModel, lora: dict) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
     return get_peft_model(lm, LoraConfig(task_type="CAUSAL_LM", **lora))
-
-
-def no_decay_parameter_ids(module: torch.nn.Module) -> set[int]:
-    """Parameters that take no weight decay: biases, norm weights (anything 1-D) and embeddings."""
-    ids = {id(p) for p in module.parameters() if p.ndim < 2}
-    for sub in module.modules():
-        if isinstance(sub, torch.nn.Embedding):
-            ids.update(id(p) for p in sub.parameters())
-    return ids

@@ -275,11 +275,11 @@ class SimulatedGPU(contextlib.AbstractContextManager):
 
 def _clear_product_caches() -> None:
     """The product caches what it found installed; a machine with other packages must be asked again."""
-    from lit_packing.models import attention
+    from lit_packing.models import backends, kernels
 
-    attention.flash_attn_status.cache_clear()
-    attention._explain_auto.cache_clear()
-    attention._LOADED.clear()
+    kernels.flash_attn_status.cache_clear()
+    backends._explain_auto.cache_clear()
+    kernels._LOADED.clear()
 
 
 @contextlib.contextmanager

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from lit_packing.data.collate import PackedCollator, PaddedCollator
-from lit_packing.models.attention import attn_implementation, resolve_backend
+from lit_packing.models.backends import resolve_backend
 from lit_packing.models.loading import load_causal_lm
 from lit_packing.models.loss import token_losses
 from lit_packing.models.mixers import find_mixers
+from lit_packing.models.pack import pack_model
 from tests.conftest import TINY_CONFIGS
 from tests.emulated.machine import SimulatedGPU
 from tests.models.families import tiny_config
@@ -72,7 +73,7 @@ def per_example(model, examples, attn):
 
 def packed(model, examples, backend, dtype):
     """One packed row through `backend`, under autocast to `dtype` (None: none): logits, loss, gradients."""
-    model.set_attn_implementation(attn_implementation(backend))
+    pack_model(model, backend, "cuda")
     batch = {k: v.to("cuda") if torch.is_tensor(v) else v for k, v in PackedCollator()(examples).items()}
     with _autocast(dtype):
         logits = model(**{k: batch[k] for k in MODEL_KEYS}, use_cache=False).logits
@@ -118,9 +119,9 @@ def test_boundaries_from_position_ids_alone(gpu):
     model = tiny_model(FAMILIES["llama"]).to("cuda").eval()
     batch = {k: v.to("cuda") if torch.is_tensor(v) else v for k, v in PackedCollator()(EXAMPLES).items()}
     with torch.no_grad(), _autocast(torch.bfloat16):
-        model.set_attn_implementation(attn_implementation("per_example"))
+        pack_model(model, "per_example", "cuda")
         ref = model(**{k: batch[k] for k in MODEL_KEYS}, use_cache=False).logits
-        model.set_attn_implementation(attn_implementation(backend))
+        pack_model(model, backend, "cuda")
         out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     torch.testing.assert_close(out.float(), ref.float(), atol=5e-2, rtol=5e-2)
 
@@ -132,7 +133,7 @@ def test_a_padded_batch_runs_sdpa_with_its_mask(gpu):
     inputs = {"input_ids": batch["input_ids"].to("cuda"), "attention_mask": batch["attention_mask"].to("cuda")}
     with torch.no_grad():
         ref = model(**inputs, use_cache=False).logits
-        model.set_attn_implementation(attn_implementation(backend))
+        pack_model(model, backend, "cuda")
         out = model(**inputs, use_cache=False).logits
     real = batch["attention_mask"].bool()
     torch.testing.assert_close(out[real], ref[real], atol=1e-5, rtol=1e-5)
@@ -142,7 +143,7 @@ def test_a_padded_batch_runs_sdpa_with_its_mask(gpu):
 def test_flash_attn_attention_dropout_trains(emulated_gpu):
     """Attention dropout goes to flash-attn's kernel (torch_varlen has none: `auto` skips it for such a model)."""
     model = tiny_model(dict(FAMILIES["llama"], attention_dropout=0.5)).to("cuda").train()
-    model.set_attn_implementation(attn_implementation("flash_attn"))
+    pack_model(model, "flash_attn", "cuda")
     batch = {k: v.to("cuda") if torch.is_tensor(v) else v for k, v in PackedCollator()(EXAMPLES).items()}
     inputs = {k: batch[k] for k in MODEL_KEYS}
     with _autocast(torch.bfloat16):
@@ -162,7 +163,7 @@ def test_hybrids_pack_exactly_on_the_gpu_path(backend, family):
     noise of the exact per-example backend at that precision, the kernel called for the attention layers."""
     with SimulatedGPU(flash_attn=backend == "flash_attn") as machine:
         torch.manual_seed(0)
-        model = load_causal_lm(model_config=tiny_config(family), attn_implementation="eager").to("cuda")
+        model = load_causal_lm(model_config=tiny_config(family)).model.to("cuda")
         assert find_mixers(model)  # the mixers run per example (load_causal_lm)
         ref = per_example(model, EXAMPLES, "sdpa")
         base = packed(model, EXAMPLES, "per_example", torch.bfloat16)

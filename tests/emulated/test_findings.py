@@ -15,9 +15,11 @@ from torch.utils.data import DataLoader
 
 from lit_packing.data.collate import PackedCollator
 from lit_packing.errors import ConfigError, IsolationError
-from lit_packing.models import PackedCausalLM, attention, check_isolation
-from lit_packing.models.attention import attn_implementation, flash_attn_status, resolve_backend
+from lit_packing.models import PackedCausalLM, attention, check_isolation, kernels
+from lit_packing.models.backends import resolve_backend, select_varlen_impl
+from lit_packing.models.kernels import flash_attn_status
 from lit_packing.models.loss import HeadInputs, causal_lm_loss
+from lit_packing.models.pack import pack_model
 from tests.emulated.machine import SimulatedGPU
 from tests.emulated.test_backends import EXAMPLES, FAMILIES, MODEL_KEYS
 from tests.models.test_attention import make_examples, tiny_model
@@ -72,7 +74,7 @@ def test_the_model_builds_on_a_gpu_machine_and_trains_with_its_gpu_kernel(flash,
 def test_autocast_q_k_v_of_mixed_dtypes_run_in_the_autocast_dtype(backend, dtype, caplog):
     with SimulatedGPU(flash_attn=backend == "flash_attn"):
         model = tiny_model(FAMILIES["llama"]).to("cuda").eval()
-        model.set_attn_implementation(attn_implementation(backend))
+        pack_model(model, backend, "cuda")
         batch = {k: v.to("cuda") if torch.is_tensor(v) else v for k, v in PackedCollator()(EXAMPLES).items()}
         layer = model.model.layers[0].self_attn
         with torch.no_grad(), torch.autocast("cuda", dtype=dtype), caplog.at_level(logging.WARNING):
@@ -80,7 +82,7 @@ def test_autocast_q_k_v_of_mixed_dtypes_run_in_the_autocast_dtype(backend, dtype
             q = torch.randn(1, 4, 10, 16)  # (B, H, T, D) fp32, as RoPE leaves q and k
             v = torch.randn(1, 2, 10, 16, dtype=dtype)
             cu = torch.tensor([0, 4, 10], dtype=torch.int32, device="cuda")
-            kernel = {"flash_attn": attention._flash_attn_varlen, "torch_varlen": attention._torch_varlen}[backend]
+            kernel = {"flash_attn": kernels._flash_attn_varlen, "torch_varlen": kernels._torch_varlen}[backend]
             out, _ = attention._attention_forward(kernel)(
                 layer, q, q[:, :2].clone(), v, None, scaling=0.25, cu_seq_lens_q=cu, cu_seq_lens_k=cu
             )
@@ -117,7 +119,7 @@ def test_compiled_decoder_has_no_graph_break(backend):
         torch._dynamo.reset()
         counters.clear()
         model = tiny_model(FAMILIES["llama"]).to("cuda")
-        model.set_attn_implementation(attn_implementation(backend))
+        pack_model(model, backend, "cuda")
         model.model.compile(dynamic=None)
         batch = {k: v.to("cuda") if torch.is_tensor(v) else v for k, v in PackedCollator()(EXAMPLES).items()}
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -136,8 +138,8 @@ def test_torch_varlen_pads_a_head_dim_that_is_not_a_multiple_of_8(emulated_gpu_w
     q, k, v = (torch.randn(10, h, 12, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2))
     cu = torch.tensor([0, 4, 10], dtype=torch.int32, device="cuda")
     opts = {"causal": True, "scale": 12**-0.5, "window": None, "softcap": None, "dropout": 0.0}
-    out = attention._torch_varlen(q, k, v, cu, cu, 6, 6, **opts)
-    ref = attention._per_example(q.float(), k.float(), v.float(), cu, cu, 6, 6, **opts)
+    out = kernels._torch_varlen(q, k, v, cu, cu, 6, 6, **opts)
+    ref = kernels._per_example(q.float(), k.float(), v.float(), cu, cu, 6, 6, **opts)
     assert out.shape == q.shape
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
@@ -191,7 +193,7 @@ def test_a_flash_attn_that_does_not_load_is_not_chosen(install, tmp_path, monkey
 def test_auto_skips_a_kernel_the_model_needs_more_than(emulated_gpu_without_flash_attn, caplog):
     with caplog.at_level(logging.INFO, logger="lit_packing"):
         lm = small_lm("gemma2")
-        assert lm._backend_for(CUDA) == "per_example"
+        assert lm.packing.to_device(lm.model, CUDA) == "per_example"
     assert any("torch_varlen has no softcap (Gemma2ForCausalLM)" in r.getMessage() for r in caplog.records)
     with pytest.raises(ConfigError) as error:
         small_lm("gemma2", attn_backend="torch_varlen")
@@ -201,7 +203,8 @@ def test_auto_skips_a_kernel_the_model_needs_more_than(emulated_gpu_without_flas
 
 
 def test_auto_takes_flash_attn_for_softcap_when_it_is_there(emulated_gpu):
-    assert small_lm("gemma2")._backend_for(CUDA) == "flash_attn"
+    lm = small_lm("gemma2")
+    assert lm.packing.to_device(lm.model, CUDA) == "flash_attn"
 
 
 # FA3 / FA4 for torch_varlen, where PyTorch offers them.
@@ -210,8 +213,8 @@ def test_auto_takes_flash_attn_for_softcap_when_it_is_there(emulated_gpu):
 def test_varlen_impl_auto_keeps_fa2_without_newer_packages_and_an_asked_one_is_refused_in_one_line(
     emulated_gpu_without_flash_attn,
 ):
-    assert attention.select_varlen_impl("auto", CUDA) == "FA2"
+    assert select_varlen_impl("auto", CUDA) == "FA2"
     with pytest.raises(ConfigError) as error:
-        attention.select_varlen_impl("FA3", CUDA)
+        select_varlen_impl("FA3", CUDA)
     message = str(error.value)
     assert message.startswith("varlen_impl: torch_varlen cannot run FA3 here (FA3: ") and "\n" not in message

@@ -19,8 +19,6 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from lit_packing.data.collate import PackedCollator
 from lit_packing.errors import ConfigError
-from lit_packing.models.attention import attn_implementation
-from lit_packing.models.isolation import probe_packing
 from lit_packing.models.loading import load_causal_lm
 from lit_packing.models.loss import token_losses
 from lit_packing.models.mixers import find_mixers
@@ -219,22 +217,15 @@ def measure(family: str, seed: int = 0) -> Row:
             row.unbuilt = f"ValueError: the tiny config still has {size / 1e6:.0f}M parameters"
             return row
         torch.manual_seed(seed)
-        model = load_causal_lm(model_config=tiny_config(family), attn_implementation=attn_implementation("per_example"))
+        model, packing = load_causal_lm(model_config=tiny_config(family))
     except ConfigError as error:
         row.refused = str(error)
         return row
-    except Exception as error:  # the shrunk config itself is invalid for this family
+    except Exception as error:  # the shrunk config is invalid for this family, or cannot run one example alone
         row.unbuilt = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120]}"
         return row
     row.model = type(model).__name__
-    try:
-        keywords = probe_packing(model)
-    except ConfigError as error:
-        row.refused = str(error)
-        return row
-    except Exception as error:  # it cannot run even one example alone: the tiny config, not packing
-        row.unbuilt = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120]}"
-        return row
+    keywords = packing.keywords
     mixers = find_mixers(model)
     kinds = sorted({type(m).__name__ for _, m in mixers})
     extras = sorted(keywords & {"s_aux", "sinks", "position_bias"})

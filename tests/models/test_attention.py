@@ -9,12 +9,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_packing.batch import INPUT_IDS, PACKED_KEYS, POSITION_IDS
 from lit_packing.data.collate import PackedCollator, PaddedCollator
-from lit_packing.models.attention import (
-    attn_implementation,
-    boundaries_from_positions,
-    resolve_backend,
-)
+from lit_packing.models.backends import resolve_backend
 from lit_packing.models.loss import token_losses
+from lit_packing.models.pack import pack_model
+from lit_packing.models.segments import boundaries_from_positions
 
 # Two examples of equal length (one batched call), a 1-token example, prompts masked with -100.
 LENGTHS = [7, 3, 12, 7, 1, 5]
@@ -60,7 +58,7 @@ def test_packed_logits_loss_grads_match_per_example(tiny_config, backend):
     examples = make_examples(LENGTHS)
     ref_logits, ref_loss, ref_grads = per_example_reference(model, examples)
 
-    model.set_attn_implementation(attn_implementation(backend))
+    pack_model(model, backend)
     batch = PackedCollator()(examples)
     logits = model(**{k: batch[k] for k in MODEL_KEYS}, use_cache=False).logits
     losses, mask, _ = token_losses(logits, batch["labels"])
@@ -155,7 +153,7 @@ def test_per_example_other_families(family):
     examples = make_examples([9, 3, 12, 9])
     with torch.no_grad():
         ref = torch.cat([model(input_ids=torch.tensor([e["input_ids"]]), use_cache=False).logits[0] for e in examples])
-        model.set_attn_implementation(attn_implementation("per_example"))
+        pack_model(model, "per_example")
         batch = PackedCollator()(examples)
         out = model(**{k: batch[k] for k in MODEL_KEYS}, use_cache=False).logits[0]
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
@@ -168,7 +166,7 @@ def test_padded_batch_through_backend_equals_sdpa(tiny_llama_config):
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     with torch.no_grad():
         ref = model(**inputs, use_cache=False).logits
-        model.set_attn_implementation(attn_implementation("per_example"))
+        pack_model(model, "per_example")
         out = model(**inputs, use_cache=False).logits
     real = batch["attention_mask"].bool()
     torch.testing.assert_close(out[real], ref[real], atol=1e-5, rtol=1e-5)
@@ -181,7 +179,7 @@ def test_without_cu_seq_lens_boundaries_come_from_position_ids(tiny_llama_config
     batch = PackedCollator()(examples)
     with torch.no_grad():
         ref = model(**{k: batch[k] for k in MODEL_KEYS}, use_cache=False).logits
-        model.set_attn_implementation(attn_implementation("per_example"))
+        pack_model(model, "per_example")
         out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -195,7 +193,7 @@ def test_boundaries_from_positions():
 def test_per_example_one_call_per_distinct_length(tiny_llama_config, monkeypatch):
     """150 examples of 2 distinct lengths -> 2 SDPA calls per layer, not 150."""
     model = tiny_model(tiny_llama_config).eval()
-    model.set_attn_implementation(attn_implementation("per_example"))
+    pack_model(model, "per_example")
     batch = PackedCollator()(make_examples([4] * 100 + [3] * 50))
     calls, sdpa = [], F.scaled_dot_product_attention
 
@@ -203,7 +201,7 @@ def test_per_example_one_call_per_distinct_length(tiny_llama_config, monkeypatch
         calls.append(args[0].shape)
         return sdpa(*args, **kwargs)
 
-    monkeypatch.setattr("lit_packing.models.attention.F.scaled_dot_product_attention", counting_sdpa)
+    monkeypatch.setattr("lit_packing.models.kernels.F.scaled_dot_product_attention", counting_sdpa)
     with torch.no_grad():
         model(**{k: batch[k] for k in MODEL_KEYS}, use_cache=False)
     layers = tiny_llama_config["num_hidden_layers"]
@@ -225,7 +223,7 @@ def test_auto_picks_per_example_without_gpu():
 
 
 def _gpu_backends():
-    from lit_packing.models.attention import flash_attn_installed
+    from lit_packing.models.backends import flash_attn_installed
 
     backends = ["torch_varlen"]
     if flash_attn_installed():
@@ -262,9 +260,9 @@ def _per_example_sdpa(q, k, v, cu, window=None):
 @pytest.mark.parametrize("window", [None, 64])
 @pytest.mark.parametrize("backend", _gpu_backends() if torch.cuda.is_available() else ["torch_varlen"])
 def test_gpu_kernel_matches_fp32_reference(backend, window):
-    from lit_packing.models import attention
+    from lit_packing.models import kernels
 
-    kernel = {"torch_varlen": attention._torch_varlen, "flash_attn": attention._flash_attn_varlen}[backend]
+    kernel = {"torch_varlen": kernels._torch_varlen, "flash_attn": kernels._flash_attn_varlen}[backend]
     lengths = [1, 17, 200, 513, 64, 64, 1000]
     q, k, v, cu = _kernel_inputs(lengths)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -305,7 +303,7 @@ def test_gpu_model_packed_matches_fp32_per_example(tiny_llama_config, backend):
         ref = alone()  # fp32
         with torch.autocast("cuda", dtype=torch.bfloat16):
             base = alone()  # plain bf16 sdpa: the noise floor
-            model.set_attn_implementation(attn_implementation(resolve_backend(backend, "cuda")))
+            pack_model(model, resolve_backend(backend, "cuda"))
             batch = PackedCollator()(examples)
             inputs = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in batch.items() if k in MODEL_KEYS}
             out = model(**inputs, use_cache=False).logits[0]
@@ -314,7 +312,7 @@ def test_gpu_model_packed_matches_fp32_per_example(tiny_llama_config, backend):
 
 
 def test_flash_attn_on_a_cpu_names_backends_that_work_here():
-    from lit_packing.models.attention import resolve_backend
+    from lit_packing.models.backends import resolve_backend
 
     with pytest.raises(ValueError, match=r"attn_backend=auto .*per_example") as error:
         resolve_backend("flash_attn", "cpu")

@@ -312,7 +312,7 @@ def test_guard_rejects_packed_batch_with_2d_mask(tiny_llama_config):
 
 
 def test_fit_stops_before_first_step_on_broken_backend(tiny_llama_config, monkeypatch):
-    monkeypatch.setattr("lit_packing.models.causal_lm.attn_implementation", lambda backend: "test_ignores_boundaries")
+    monkeypatch.setattr("lit_packing.models.pack.attn_implementation", lambda backend: "test_ignores_boundaries")
     lm = make_lm(tiny_llama_config, lr=1e-3)
     before = {n: p.detach().clone() for n, p in lm.named_parameters()}
     with pytest.raises(IsolationError, match="isolation self-test failed"):

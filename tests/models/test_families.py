@@ -13,13 +13,16 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_packing.batch import MODEL_KEYS
 from lit_packing.data.collate import PackedCollator
-from lit_packing.errors import ConfigError
-from lit_packing.models.attention import attention_needs, attn_implementation, kernel_refusal
+from lit_packing.errors import ConfigError, IsolationError
+from lit_packing.models.attention import admit, attn_implementation
+from lit_packing.models.backends import attention_needs, kernel_refusal
 from lit_packing.models.causal_lm import PackedCausalLM
-from lit_packing.models.isolation import check_isolation, probe_packing
 from lit_packing.models.loading import load_causal_lm
 from lit_packing.models.loss import token_losses
 from lit_packing.models.mixers import find_mixers, keep_mixers_apart
+from lit_packing.models.pack import pack_model
+from lit_packing.models.probe import probe_packing
+from lit_packing.models.selftest import check_isolation
 from tests.cli.test_day_two import main_py, one_line_error
 from tests.models.families import decoder_families, measure, per_example_reference, tiny_config
 
@@ -77,25 +80,46 @@ def test_mixers_are_found_outermost_and_not_in_attention_only_models():
     assert keep_mixers_apart(llama) == []
 
 
-def test_without_the_per_example_mixers_the_leak_is_named():
-    """The same Bamba, its Mamba mixers left as transformers wrote them: the self-test names the mixer."""
+def _three_examples() -> dict:
+    ids = torch.arange(3, 40)[None]
+    cu = torch.tensor([0, 12, 25, 37], dtype=torch.int32)
+    pos = torch.cat([torch.arange(12), torch.arange(13), torch.arange(12)])[None]
+    return {"input_ids": ids, "position_ids": pos, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+            "max_length_q": 13, "max_length_k": 13}  # fmt: skip
+
+
+def test_a_hybrid_built_by_hand_is_refused_on_its_first_packed_forward():
+    """A Bamba given a packed backend by name, without `pack_model`: its Mamba mixer would run across the
+    boundaries; the first packed forward is refused in one line naming the fix."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
         AutoConfig.for_model(**tiny_config("bamba")), attn_implementation=attn_implementation("per_example")
     )
-    ids = torch.arange(3, 40)[None]
-    cu = torch.tensor([0, 12, 25, 37], dtype=torch.int32)
-    pos = torch.cat([torch.arange(12), torch.arange(13), torch.arange(12)])[None]
-    batch = {"input_ids": ids, "position_ids": pos, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
-             "max_length_q": 13, "max_length_k": 13}  # fmt: skip
-    with pytest.raises(Exception) as raised:
-        check_isolation(model, batch, "per_example")
+    with pytest.raises(IsolationError) as raised:
+        model(**_three_examples(), use_cache=False)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("a packed batch reached BambaAttention"), message
+    assert "lit_packing.core.pack_model(model)" in message, message
+    pack_model(model)
+    assert check_isolation(model, _three_examples(), "per_example") < 1e-5
+
+
+def test_without_the_per_example_mixers_the_leak_is_named():
+    """The same Bamba, its attention admitted but its Mamba mixers left as transformers wrote them (what the door
+    would have wrapped): the self-test names the mixer and the fix."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(**tiny_config("bamba")), attn_implementation=attn_implementation("per_example")
+    )
+    admit([module for name, module in model.named_modules() if name.endswith("self_attn")])
+    with pytest.raises(IsolationError) as raised:
+        check_isolation(model, _three_examples(), "per_example")
     message = str(raised.value)
     assert "model.layers.0.mamba (BambaMixer)" in message, message
     assert "recurrence or convolution runs across the boundary" in message, message
-    assert "keep_mixers_apart(model)" in message and "configs/padding.yaml" in message, message
+    assert "lit_packing.core.pack_model(model)" in message and "configs/padding.yaml" in message, message
     keep_mixers_apart(model)
-    assert check_isolation(model, batch, "per_example") < 1e-5
+    assert check_isolation(model, _three_examples(), "per_example") < 1e-5
 
 
 def test_a_model_whose_attention_leaks_is_refused_at_construction_naming_the_module():
@@ -130,7 +154,7 @@ def test_sinks_and_position_bias_keep_auto_off_the_flash_kernels():
     model = AutoModelForCausalLM.from_config(
         AutoConfig.for_model(**tiny_config("gpt_oss")), attn_implementation=attn_implementation("per_example")
     )
-    needs = attention_needs(model, probe_packing(model))
+    needs = attention_needs(model, probe_packing(model).keywords)
     assert needs.sinks and not needs.position_bias
     assert kernel_refusal("flash_attn", needs) == "flash_attn has no attention sinks"
     assert kernel_refusal("torch_varlen", needs) == "torch_varlen has no attention sinks"
@@ -149,7 +173,7 @@ def test_one_step_fit_through_the_cli(tmp_path, family):
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     assert "isolation self-test passed" in output, output[-3000:]
-    assert re.search(r"\d+ token mixers? besides attention runs? per example in packed rows", output), output[-3000:]
+    assert re.search(r"\d+ token mixers? besides attention: \d+ \w+ per example \(", output), output[-3000:]
 
 
 def test_a_refused_family_through_the_cli_is_one_line(tmp_path):
@@ -169,7 +193,7 @@ def test_a_refused_family_through_the_cli_is_one_line(tmp_path):
 
 def _hybrid(family: str):
     torch.manual_seed(0)
-    return load_causal_lm(model_config=tiny_config(family), attn_implementation=attn_implementation("per_example"))
+    return load_causal_lm(model_config=tiny_config(family)).model
 
 
 @pytest.mark.parametrize("family", ["bamba", "qwen3_next"])

@@ -1,17 +1,12 @@
-"""Guards against packed examples seeing each other: a probe of the model at construction, a cheap host-side check
-of every batch, and a self-test of the real model and backend before the first training step.
+"""The isolation self-test: the packed forward of the real model, with its backend and precision, against each
+example run alone, once before the first training step; and `find_leak`, which names the module that lets
+examples see each other when they differ.
 
-    probe_packing(model)                             # at construction: a tiny packed forward on the host
-    check_packed_batch(batch)                       # every batch, on the host, before the transfer
-    check_isolation(model, batch, "per_example")     # once: packed forward == forward of each example alone
+    check_isolation(model, batch, "per_example")     # packed forward == forward of each example alone
 
-When packed and per-example outputs differ, `find_leak` names the first module whose output differs (with forward
-hooks on every module, the packed run split at the boundaries against each example's run): the mixer, attention or
-position embedding that lets examples see each other, e.g. `model.layers.0.mamba (BambaMixer)`.
-
-The failures they catch are silent otherwise: a 2D attention_mask that makes transformers drop
-packed isolation (transformers#46634), position ids that run on across examples, a backend that ignores
-`cu_seq_lens`, a model whose attention does not go through transformers' AttentionInterface.
+`find_leak` hooks every module, splits the packed run at the boundaries and compares it with each example's run:
+the first module whose output differs is the mixer, attention or position embedding at fault, e.g.
+`model.layers.0.mamba (BambaMixer)`. The construction probe (`probe.py`) uses it too.
 """
 
 from __future__ import annotations
@@ -25,7 +20,6 @@ from transformers import PreTrainedModel
 
 from lit_packing._compat import attn_implementation_of, supports_sdpa
 from lit_packing.batch import (
-    ATTENTION_MASK,
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
     IGNORE_INDEX,
@@ -34,72 +28,20 @@ from lit_packing.batch import (
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
     POSITION_IDS,
-    is_packed,
 )
-from lit_packing.errors import ConfigError, IsolationError
-from lit_packing.models.attention import (
-    HONOURED_KEYWORDS,
-    INERT_KEYWORDS,
-    PROBE_NAME,
-    attn_implementation,
-    compute_dtype,
-    register_probe,
-)
+from lit_packing.errors import IsolationError
+from lit_packing.models.kernels import compute_dtype
 from lit_packing.models.mixers import MIXER_CLASS
 
 # What to do when a module keeps packed examples from being isolated.
-PADDED_FIX = "or train it padded: --config configs/padding.yaml (data.collator: lit_packing.data.PaddedCollator)"
+PADDED_FIX = (
+    "or train it padded: --config configs/paper.yaml --config configs/padding.yaml "
+    "(data.collator: lit_packing.data.PaddedCollator)"
+)
 
 # Allowed max |packed - per-example| of the logits, relative to max(1, max |logits|), by compute dtype. Packed and
 # per-example fp32 agree to ~1e-6 (different kernels, same math); examples that see each other differ by far more.
 ISOLATION_RTOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
-
-
-def check_packed_batch(batch: Mapping[str, Any]) -> None:
-    """Host-side sanity of a batch before it goes to the device: cheap, O(T), no device sync.
-
-    Raises:
-        IsolationError: a packed batch with a 2D attention_mask, position ids that run on across examples,
-            malformed cu_seq_lens, or position ids without cu_seq_lens.
-    """
-    if not is_packed(batch):
-        ids = batch[INPUT_IDS]
-        if POSITION_IDS in batch and ATTENTION_MASK not in batch and ids.shape[0] == 1 and ids.shape[1] > 1:
-            pos = batch[POSITION_IDS][0]
-            if bool((pos[1:] != pos[:-1] + 1).any()):
-                raise IsolationError(
-                    "a packed batch (restarting position_ids) without cu_seq_lens_q/k: use PackedCollator, or "
-                    "DataCollatorWithFlattening(return_flash_attn_kwargs=True)"
-                )
-        return
-    if ATTENTION_MASK in batch:
-        raise IsolationError(
-            "a packed batch (cu_seq_lens_q) also carries a 2D attention_mask: transformers then ignores the packing "
-            "and lets examples attend to each other (transformers#46634). Drop attention_mask from packed batches"
-        )
-    cu, ids = batch[CU_SEQ_LENS_Q], batch[INPUT_IDS]
-    if ids.dim() != 2 or ids.shape[0] != 1:
-        raise IsolationError(f"a packed batch has shape (1, T), got input_ids {tuple(ids.shape)}")
-    total = ids.shape[1]
-    if cu.device.type != "cpu":
-        return  # already on a device: checking would sync; the fit-start self-test still runs
-    lengths = cu[1:] - cu[:-1]
-    if int(cu[0]) != 0 or int(cu[-1]) != total or bool((lengths < 0).any()):
-        raise IsolationError(f"cu_seq_lens_q={cu.tolist()} does not cover the T={total} tokens of the batch")
-    if CU_SEQ_LENS_K in batch and not torch.equal(batch[CU_SEQ_LENS_K].to(cu.dtype), cu):
-        raise IsolationError("cu_seq_lens_k differs from cu_seq_lens_q in a self-attention batch")
-    longest = int(lengths.max())
-    for key in (MAX_LENGTH_Q, MAX_LENGTH_K):
-        if key in batch and int(batch[key]) < longest:
-            raise IsolationError(f"{key}={batch[key]} < the longest example ({longest} tokens)")
-    if POSITION_IDS not in batch:
-        raise IsolationError("a packed batch needs position_ids restarting at 0 for every example")
-    expected = torch.arange(total) - torch.repeat_interleave(cu[:-1].long(), lengths.long(), output_size=total)
-    if not torch.equal(batch[POSITION_IDS][0].long(), expected):
-        raise IsolationError(
-            "position_ids do not restart at 0 at every cu_seq_lens boundary: each example would see shifted "
-            "positions. Build packed batches with PackedCollator"
-        )
 
 
 @contextlib.contextmanager
@@ -186,7 +128,7 @@ def check_isolation(
     small = sample_packed(batch, vocab_size=base.config.get_text_config().vocab_size)
     cu = small[CU_SEQ_LENS_Q].cpu().tolist()
     if reference is None:
-        reference = _reference_attention(base)
+        reference = reference_attention(base)
     was_training = model.training
     model.eval()
     try:
@@ -202,7 +144,7 @@ def check_isolation(
     per_example = torch.cat(alone)
     diff = float((packed - per_example).abs().max())
     scale = max(1.0, float(per_example.abs().max()))
-    dtype = compute_dtype(backend, _compute_dtype(model))  # a kernel below the model's precision: judge by it
+    dtype = compute_dtype(backend, model_compute_dtype(model))  # a kernel below the model's precision: judge by it
     relative = rtol if rtol is not None else ISOLATION_RTOL.get(dtype, 5e-2)
     tol = relative * scale
     if not diff <= tol:  # also catches nan
@@ -295,7 +237,7 @@ def _blame(leak: tuple[str, torch.nn.Module, float] | None, base: torch.nn.Modul
     if MIXER_CLASS.search(cls):
         kind = "its recurrence or convolution runs across the boundary"
         fix = (
-            "Run its mixers per example: lit_packing.models.mixers.keep_mixers_apart(model) (PackedCausalLM and "
+            "Run its mixers per example: build it through lit_packing.core.pack_model(model) (PackedCausalLM and "
             f"load_causal_lm do), {PADDED_FIX}"
         )
     elif "attention" in cls.lower() or "attn" in owner.rsplit(".", 1)[-1]:
@@ -320,104 +262,14 @@ def _mixing_module(name: str, base: torch.nn.Module) -> str:
     return name
 
 
-@torch.no_grad()
-def probe_packing(model: PreTrainedModel, check: bool = True) -> frozenset[str]:
-    """At construction, on the host: run two tiny packed examples through the model's layers with a recording
-    per_example attention, and return the keywords its layers hand attention (`attention_needs` reads them).
-
-    Refuses, in one line each, a model whose attention hands over a keyword no backend implements, whose packed
-    forward raises (naming the module it raised in), and (`check`) whose packed logits differ from each example's
-    run alone (naming the module that lets them see each other: `find_leak`).
-
-    Raises:
-        ConfigError: naming the model, the module or keyword, and what to do.
-    """
-    seen: set[str] = set()
-    config = model.config.get_text_config()
-    ids = (torch.arange(11, device=model.device)[None] * 7 + 3) % config.vocab_size
-    cu = torch.tensor([0, 5, 11], dtype=torch.int32, device=model.device)
-    small = {
-        INPUT_IDS: ids,
-        POSITION_IDS: torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5]], device=model.device),
-        CU_SEQ_LENS_Q: cu,
-        CU_SEQ_LENS_K: cu,
-        MAX_LENGTH_Q: 6,
-        MAX_LENGTH_K: 6,
-    }
-    name = type(model).__name__
-    running: list[str] = []  # the modules whose forward is under way, outermost first
-    handles = []
-    for qualified, module in model.named_modules():
-        if qualified:
-            handles.append(module.register_forward_pre_hook(lambda m, a, n=qualified: running.append(n)))
-            handles.append(module.register_forward_hook(lambda m, a, o: running.pop() and None))  # None: output kept
-    was_training = model.training
-    model.eval()
-    try:
-        try:
-            with attn_implementation_set(model, register_probe(seen)):
-                packed = model(**small, use_cache=False).logits[0].float()
-        except Exception as error:
-            _refuse_packed_error(model, ids, error, running)
-        finally:
-            for handle in handles:
-                handle.remove()
-        if check:
-            _compare_alone(model, small, packed)
-    finally:
-        model.train(was_training)
-    unknown = sorted(seen - HONOURED_KEYWORDS - INERT_KEYWORDS - {PROBE_NAME})
-    if unknown:
-        raise ConfigError(
-            "model.name_or_path",
-            f"{name}'s attention hands the attention function {', '.join(unknown)}, which the packed backends do not "
-            "implement: its attention would be computed without it",
-            "choose a model whose attention the backends implement (the families table in docs/model.md)",
-        )
-    return frozenset(seen - {PROBE_NAME})
-
-
-def _reference_attention(model: PreTrainedModel) -> str:
+def reference_attention(model: PreTrainedModel) -> str:
     """transformers' own attention for running examples alone: sdpa, eager where the model has no sdpa."""
     return "sdpa" if supports_sdpa(model) else "eager"
 
 
-def _compute_dtype(model: torch.nn.Module) -> torch.dtype:
+def model_compute_dtype(model: torch.nn.Module) -> torch.dtype:
     param = next(model.parameters())
     device_type = param.device.type
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return param.dtype
-
-
-def _refuse_packed_error(model: PreTrainedModel, ids: torch.Tensor, error: Exception, running: list[str]) -> None:
-    """A packed forward raised: refuse in one line naming the module it raised in, unless the model cannot run one
-    example alone either (then the error is the model's own, not packing's, and is raised as it is)."""
-    try:
-        with attn_implementation_set(model, _reference_attention(model)):
-            model(input_ids=ids[:, :5], use_cache=False)
-    except Exception:
-        raise error from None
-    detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    where = f"{running[-1]} ({type(model.get_submodule(running[-1])).__name__})" if running else "its forward"
-    raise ConfigError(
-        "model.name_or_path",
-        f"{type(model).__name__} cannot run a packed row: {where} raised {type(error).__name__}: {detail[:200]}",
-        PADDED_FIX.removeprefix("or "),
-    ) from None
-
-
-def _compare_alone(model: PreTrainedModel, small: Mapping[str, Any], packed: torch.Tensor) -> None:
-    """The probe's packed logits (per_example attention) against each example run alone; refuse a difference,
-    naming the module that lets the examples see each other."""
-    reference = _reference_attention(model)
-    rtol = ISOLATION_RTOL.get(_compute_dtype(model), 5e-2)
-    ids, cu = small[INPUT_IDS], small[CU_SEQ_LENS_Q].tolist()
-    with attn_implementation_set(model, reference):
-        alone = torch.cat(
-            [model(input_ids=ids[:, a:b], use_cache=False).logits[0].float() for a, b in zip(cu[:-1], cu[1:])]
-        )
-    if not float((packed - alone).abs().max()) <= rtol * max(1.0, float(alone.abs().max())):
-        with attn_implementation_set(model, attn_implementation("per_example")):
-            where = _blame(find_leak(model, small, reference, rtol), model)
-        raise ConfigError("model.name_or_path", f"packed examples are not kept apart: {where}")

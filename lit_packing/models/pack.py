@@ -1,0 +1,204 @@
+"""The one way to make a transformers causal LM train on packed rows: `pack_model`.
+
+    packing = pack_model(model, backend="auto", device="cuda")   # changes `model` in place, returns what it found
+    packing.to_device(model, trainer_device)                     # the backend once more, where it trains
+
+What it does, in order: refuses a model whose attention does not go through transformers' `AttentionInterface`;
+chooses a route for each non-attention token mixer (its packed kernels where installed, else per example:
+`mixers.py`); runs the construction probe (`probe.py`), which checks on the model's device that packed examples
+stay apart in every layer and records what the layers hand attention (a kernel route the probe finds inexact falls
+back to per example); chooses the attention backend for the model's needs on `device` (`backends.py`) and sets it;
+admits the model's attention modules, so that its packed rows run (a model that skipped this is refused on its
+first packed forward: `attention.refuse_unpacked`). Everything that cannot pack is refused in one line naming the
+module or keyword and the fix. `PackedCausalLM`, `load_causal_lm`, the core recipes and the benchmarks all build
+their packed models here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from lit_packing._compat import attn_implementation_of, can_set_attn_implementation
+from lit_packing.errors import ConfigError
+from lit_packing.models.attention import admit, attn_implementation
+from lit_packing.models.backends import (
+    AttentionNeeds,
+    AttnBackend,
+    attention_needs,
+    available_backends,
+    check_backend,
+    resolve_backend,
+)
+from lit_packing.models.mixers import (
+    MixerChoice,
+    MixerRoute,
+    describe_routes,
+    fall_back,
+    keep_mixers_apart,
+    kernel_unavailable,
+)
+from lit_packing.models.probe import probe_packing
+from lit_packing.models.selftest import PADDED_FIX
+
+log = logging.getLogger(__name__)
+
+HOST_BACKENDS = ("per_example", "sdpa_mask")  # the backends that run on any device
+
+
+@dataclass
+class Packing:
+    """What `pack_model` found and chose for one model.
+
+    Attributes:
+        requested: the backend asked for (`auto` or a name), resolved again by `to_device`.
+        backend: the backend the model's attention runs now.
+        device: the device `backend` was resolved for.
+        needs: what the model asks of attention (softcap, sinks, windows, ...).
+        keywords: what its layers hand the attention function (the probe's record).
+        mixers: each non-attention token mixer's route and why (empty for an attention-only model).
+    """
+
+    requested: str
+    backend: str
+    device: torch.device
+    needs: AttentionNeeds
+    keywords: frozenset[str] = frozenset()
+    mixers: list[MixerRoute] = field(default_factory=list)
+    mixer_choice: MixerChoice = "auto"
+
+    def to_device(self, model: torch.nn.Module, device: torch.device | str) -> str:
+        """Resolve the requested backend for `device` (the trainer's) and set it. Returns the backend."""
+        device = torch.device(device)
+        self.backend = _resolve(self.requested, device, self.needs)
+        self.device = device
+        _base(model).set_attn_implementation(attn_implementation(self.backend))
+        return self.backend
+
+    def on_host(self, model: torch.nn.Module) -> None:
+        """Run the exact per_example backend where the model is now (the host it was built on, for a GPU it will
+        train on) until `to_device` sets the chosen one there: a forward on the host never calls a GPU kernel."""
+        hf = _base(model)
+        if hf.device.type != self.device.type and self.backend not in HOST_BACKENDS:
+            self.backend, self.device = "per_example", hf.device
+            hf.set_attn_implementation(attn_implementation(self.backend))
+
+    def route_mixers(self, model: torch.nn.Module) -> list[MixerRoute]:
+        """Re-decide the mixers' routes where the model is now (after it moved to its device): where their packed
+        kernels can run there, the probe decides on that device; elsewhere nothing runs."""
+        hf = _base(model)
+        if self.mixer_choice == "per_example" or not any(
+            kernel_unavailable(hf.get_submodule(route.name), hf.device) is None for route in self.mixers
+        ):
+            return self.mixers
+        backend = attn_implementation_of(hf)
+        probe, self.mixers = _probe_routes(hf, hf.device, self.mixer_choice, check=True)
+        hf.set_attn_implementation(backend)
+        admit(probe.attention)
+        log.info(describe_routes(self.mixers))
+        return self.mixers
+
+
+def pack_model(
+    model: torch.nn.Module,
+    backend: AttnBackend = "auto",
+    device: torch.device | str | None = None,
+    mixers: MixerChoice = "auto",
+    check: bool = True,
+) -> Packing:
+    """Make `model` (a transformers causal LM, or a peft model around one) keep packed examples apart in every
+    layer, in place; return what was found and chosen.
+
+    Args:
+        model: the model, on the device it is built on (where the probe runs).
+        backend: auto | flash_attn | torch_varlen | per_example | sdpa_mask: the attention backend, resolved for
+            `device` and the model's needs (`auto`: the fastest that can run it).
+        device: where the model will run (default: where it is); the backend is chosen and checked for it. A model
+            built on the host for a GPU runs the GPU's backend once it is moved there (`Packing.to_device` resolves
+            again for another device).
+        mixers: auto | kernel | per_example: the route of non-attention token mixers (`mixers.py`); `kernel`
+            refuses a mixer whose packed kernels are missing or inexact on this device.
+        check: compare the probe's packed logits with each example run alone (the construction-time check).
+
+    Raises:
+        ConfigError: the model cannot be packed (naming the module or keyword), or the backend cannot run it on
+            `device` (naming the backends that can).
+    """
+    hf = _base(model)
+    here = hf.device
+    device = torch.device(device) if device is not None else here
+    check_packing_support(hf)
+    probe, routes = _probe_routes(hf, here, mixers, check)
+    needs = attention_needs(hf, probe.keywords)
+    chosen = _resolve(backend, device, needs)
+    hf.set_attn_implementation(attn_implementation(chosen))
+    admit(probe.attention)
+    if routes:
+        log.info(describe_routes(routes))
+    return Packing(backend, chosen, device, needs, probe.keywords, routes, mixers)
+
+
+def _probe_routes(hf: PreTrainedModel, device: torch.device, choice: MixerChoice, check: bool):
+    """Route the mixers for `device`, then probe; a kernel route the probe refuses falls back per example (or,
+    with `choice=kernel`, is refused). Returns the probe's record and the routes."""
+    routes = keep_mixers_apart(hf, device, choice)
+    if choice == "kernel" and (slow := [r for r in routes if r.route != "kernel"]):
+        raise ConfigError(
+            "model.mixers",
+            f"{slow[0].name} ({slow[0].kind}) cannot take the kernel route on {device}: {slow[0].why}",
+            "install its kernels' packages, or set {mixers}=auto (per example where they are missing)",
+            {"mixers": "model.mixers"},
+        )
+    try:
+        return probe_packing(hf, check=check), routes
+    except ConfigError as error:
+        if not any(r.route == "kernel" for r in routes):
+            raise
+        if choice == "kernel":
+            raise ConfigError("model.mixers", f"the kernel route is not exact on {device}: {error.problem}",
+                              "set {mixers}=auto", {"mixers": "model.mixers"}) from None  # fmt: skip
+        fall_back(routes, f"its packed kernels were not exact on {device}: {error.problem[:160]}")
+        return probe_packing(hf, check=check), routes
+
+
+def check_packing_support(lm: PreTrainedModel) -> None:
+    """Raise unless the model's attention goes through transformers' AttentionInterface (the only place packed
+    boundaries can be honoured)."""
+    if not can_set_attn_implementation(lm):
+        where = next(
+            (f" ({name}, {type(m).__name__})" for name, m in lm.named_modules() if "Attention" in type(m).__name__), ""
+        )
+        raise ConfigError(
+            "model.name_or_path",
+            f"{type(lm).__name__} ({lm.config.model_type}) does not route attention{where} through transformers' "
+            "AttentionInterface, so packed examples cannot be kept apart",
+            f"choose a model that does (the families table in docs/model.md), {PADDED_FIX}",
+        )
+
+
+def check_backend_here(backend: str, device: torch.device | str) -> None:
+    """`check_backend` (what can be known before a model loads), its refusal naming the backends that run here."""
+    try:
+        check_backend(backend, device)
+    except ConfigError as error:
+        raise _naming_usable(error, torch.device(device), None) from None
+
+
+def _resolve(backend: str, device: torch.device, needs: AttentionNeeds) -> str:
+    """`resolve_backend`, its refusal naming the backends this device can run for this model."""
+    try:
+        return resolve_backend(backend, device, needs)
+    except ConfigError as error:
+        raise _naming_usable(error, device, needs) from None
+
+
+def _naming_usable(error: ConfigError, device: torch.device, needs: AttentionNeeds | None) -> ConfigError:
+    usable = ", ".join(available_backends(device, needs))
+    return ConfigError(error.setting, error.problem, f"{error.fix}; on {device} these run: auto, {usable}", error.paths)
+
+
+def _base(model: torch.nn.Module) -> PreTrainedModel:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model

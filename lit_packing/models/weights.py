@@ -1,0 +1,79 @@
+"""A packed model's weights as a user sees them: the start-up line, a checkpoint of another model named in one
+line, an export refused when a weight is not finite.
+
+    log.info(describe_model(model))      # LlamaForCausalLM: 3,219,776 parameters (...); training FLOPs ...
+    problem = weights_mismatch(checkpoint["state_dict"], module.state_dict())
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lit_packing.cost import flop_coefficients, model_shape
+from lit_packing.errors import TrainingError
+
+
+def describe_model(model: torch.nn.Module) -> str:
+    """One start-up line: the model, its parameters (trainable, frozen) and the training FLOPs the toolkit counts.
+
+    `LlamaForCausalLM: 3,219,776 parameters (3,219,776 trainable, 0 frozen); training FLOPs 19.3M a token + 1,536
+    an attended pair`
+    """
+    unique = {id(p): p for p in model.parameters()}.values()
+    trainable = sum(p.numel() for p in unique if p.requires_grad)
+    frozen = sum(p.numel() for p in unique if not p.requires_grad)
+    per_token, per_pair = flop_coefficients(model_shape(model))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return (
+        f"{type(base).__name__}: {trainable + frozen:,} parameters ({trainable:,} trainable, {frozen:,} frozen); "
+        f"training FLOPs {_si(per_token)} a token + {_si(per_pair)} an attended pair"
+    )
+
+
+def _si(value: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6)):
+        if value >= scale:
+            return f"{value / scale:.1f}{unit}"
+    return f"{value:,.0f}"
+
+
+def weights_mismatch(saved: Mapping[str, Any], here: Mapping[str, torch.Tensor], strict: bool = True) -> str:
+    """What differs between a checkpoint's state dict and the model's ('' when they match): shapes first, then
+    weights the model lacks, then (`strict`) weights the checkpoint lacks."""
+    shape = lambda t: tuple(getattr(t, "shape", ()))  # noqa: E731
+    wrong = [(k, shape(saved[k]), shape(t)) for k, t in here.items() if k in saved and shape(saved[k]) != shape(t)]
+    extra = [k for k in saved if k not in here]
+    missing = [k for k in here if k not in saved] if strict else []
+    parts = []
+    if wrong:
+        key, there, mine = wrong[0]
+        parts.append(f"{len(wrong):,} weights of another shape (first: {key}: {list(there)} there, {list(mine)} here)")
+    if extra:
+        parts.append(f"{len(extra):,} weights this model does not have (first: {extra[0]})")
+    if missing:
+        parts.append(f"none of {len(missing):,} of this model's weights (first: {missing[0]})")
+    return "; ".join(parts)
+
+
+def check_finite_weights(model: torch.nn.Module, path: str) -> None:
+    """Refuse to export a model holding NaN or inf weights (nothing is written)."""
+    broken = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if broken:
+        raise TrainingError(
+            f"not exporting to {path}: {len(broken):,} weight tensors hold NaN or inf (first: {broken[0]}); "
+            f"the run diverged: lower model.lr or set trainer.gradient_clip_val, and train again"
+        )
+
+
+def apply_umask(folder: str) -> None:
+    """Give every file in `folder` the mode a plain `open()` would (transformers writes weights through a private
+    temporary file, mode 0600, so that others who can read the folder could not read `model.safetensors`)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for entry in os.scandir(folder):
+        if entry.is_file():
+            os.chmod(entry.path, 0o666 & ~umask)
