@@ -3,11 +3,18 @@
     DataLoader(..., worker_init_fn=EndWithParent())       # a loader's workers die with the process that made them
     subprocess.run(command, preexec_fn=EndWithParent())   # so does a child a tool starts
     end_with_launcher()                                   # a rank started by a launcher dies with the launcher
+    leave_to_parent({signal.SIGTERM, signal.SIGUSR1})     # what this process forks from now on ignores these
 
 A preempted job is killed with SIGKILL: no handler runs, so only the kernel can end what the process started. On
 Linux a process asks for a signal when its parent dies (`prctl(PR_SET_PDEATHSIG)`); a process whose parent died
 before it asked (the race between fork and the call) ends at once. Elsewhere these are no-ops: the children then
 end as before (DataLoader workers notice a dead parent within seconds; ranks at the process group's timeout).
+
+A scheduler signals every process of a job (SLURM's `--signal` warning and its SIGTERM reach a DataLoader's
+workers too): a worker that such a signal ends makes the fit fail at its next batch, before it can stop at a step's
+end and save. While a fit runs (`PreemptionCheckpoint` arms it), what this process forks ignores them and leaves
+them to the fit's own process, whose end then ends it: at fork, and again in `EndWithParent` (torch's worker loop
+sets its own SIGTERM handler first, which ends a worker signalled by anyone but its parent).
 
 Without this, a killed streamed fit left its tokenizing workers asleep forever holding the run's stdout (a wrapper
 that waits on that output hangs), and a killed rank 0 left rank 1 blocked in a collective.
@@ -19,7 +26,7 @@ import ctypes
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -69,8 +76,29 @@ class EndWithParent:
 
     def __call__(self, worker_id: int | None = None) -> None:
         die_with_parent(self.parent)
+        if worker_id is not None:
+            _ignore_left_to_parent()
         if self.then is not None and worker_id is not None:
             self.then(worker_id)
+
+
+# The signals the processes forked from now on ignore (`leave_to_parent`).
+_LEFT_TO_PARENT: set[int] = set()
+
+
+def leave_to_parent(signals: Iterable[int]) -> None:
+    """Processes this one forks from now on (a DataLoader's workers) ignore `signals`; an empty set: no more."""
+    _LEFT_TO_PARENT.clear()
+    _LEFT_TO_PARENT.update(int(signum) for signum in signals)
+
+
+def _ignore_left_to_parent() -> None:
+    for signum in _LEFT_TO_PARENT:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_ignore_left_to_parent)
 
 
 # The pid of the process that launches a run's other ranks, in their environment (they inherit it).

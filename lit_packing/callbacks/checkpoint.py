@@ -24,6 +24,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_packing.callbacks.preemption import hpc_checkpoints
+from lit_packing.checkpoint_io import PARTIAL_SUFFIX
 from lit_packing.errors import AssetError
 from lit_packing.preflight import read_checkpoint
 
@@ -73,16 +74,20 @@ def newest_checkpoint(trainer: pl.Trainer) -> Path | None:
 
     The candidates: `last*.ckpt` in the folder of each `ModelCheckpoint` with a known folder (its `dirpath`;
     `<default_root_dir>/checkpoints` for `LastCheckpoint`) and `hpc_ckpt_<N>.ckpt` in `default_root_dir`. A
-    damaged one (empty, cut short, unreadable) is skipped with a line naming it and what is wrong.
+    damaged one (empty, cut short, unreadable) is skipped with a line naming it and what is wrong. What a save
+    killed between its flush and its rename left (`.<name>.ckpt.partial`) is removed from those folders.
     """
     root = Path(trainer.default_root_dir)
-    candidates = set(hpc_checkpoints(root).values())
+    folders = [root]
     for callback in trainer.checkpoint_callbacks:
-        if not isinstance(callback, ModelCheckpoint):
-            continue
-        folder = callback.dirpath or (root / "checkpoints" if isinstance(callback, LastCheckpoint) else None)
-        if folder is not None and Path(folder).is_dir():
-            candidates |= {path for path in Path(folder).iterdir() if LAST_NAME.fullmatch(path.name)}
+        if isinstance(callback, ModelCheckpoint):
+            folder = callback.dirpath or (root / "checkpoints" if isinstance(callback, LastCheckpoint) else None)
+            folders += [Path(folder)] if folder is not None and Path(folder).is_dir() else []
+    candidates = set(hpc_checkpoints(root).values())
+    for folder in folders:
+        candidates |= {path for path in folder.iterdir() if LAST_NAME.fullmatch(path.name)}
+        for partial in folder.glob(f".*.ckpt{PARTIAL_SUFFIX}"):  # a save killed between its flush and its rename
+            partial.unlink(missing_ok=True)
     for path in sorted(candidates, key=lambda p: p.stat().st_mtime, reverse=True):
         try:
             read_checkpoint(path)

@@ -40,23 +40,11 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Checkpoint
 
+from lit_packing.processes import leave_to_parent
+
 log = logging.getLogger("lit_packing")
 
 HPC_CHECKPOINT = re.compile(r"hpc_ckpt_(\d+)\.ckpt")  # Lightning's name for a SLURM checkpoint
-
-
-# The signals a process forked during a fit ignores (DataLoader workers): a scheduler signals every process of a
-# job, and a worker that a default handler ends makes the step fail before it can finish; the fit's own process
-# decides, and its workers end with it.
-_IGNORED_IN_CHILDREN: set[int] = set()
-
-
-def _ignore_in_child() -> None:
-    for signum in _IGNORED_IN_CHILDREN:
-        signal.signal(signum, signal.SIG_IGN)
-
-
-os.register_at_fork(after_in_child=_ignore_in_child)
 
 
 class Preempted(SystemExit):
@@ -86,13 +74,13 @@ class PreemptionCheckpoint(Checkpoint):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":  # before the loader's workers start (Lightning counts the batches in the optimizer set-up)
-            _IGNORED_IN_CHILDREN.update({requeue_signal(trainer), signal.SIGTERM})
+            leave_to_parent({requeue_signal(trainer), signal.SIGTERM})  # `lit_packing.processes`: why
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        _IGNORED_IN_CHILDREN.clear()
+        leave_to_parent(())
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        _IGNORED_IN_CHILDREN.clear()  # Lightning's teardown restores the handlers it found before the fit
+        leave_to_parent(())  # Lightning's teardown restores the handlers it found before the fit
 
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._install(trainer)
