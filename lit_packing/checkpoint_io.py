@@ -100,7 +100,7 @@ def write_atomically(checkpoint: dict[str, Any], path: Path, open_partial=open_p
         os.replace(partial, path)
     except BaseException as error:
         partial.unlink(missing_ok=True)
-        if isinstance(error, OSError) and error.errno in FULL_DISK:
+        if _full_disk(error):
             raise CheckpointSpaceError(no_room(path, needed)) from None
         raise
     _fsync_folder(folder)  # the rename itself survives a power cut
@@ -136,6 +136,16 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _tensors(item)
+
+
+def _full_disk(error: BaseException | None) -> bool:
+    """Whether `error`, or one it was raised while handling, is a full disk or quota: torch's zip writer answers
+    a failed write with its own `RuntimeError` when it closes the archive, the `OSError` in its context."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in FULL_DISK:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _link(file: IO[bytes], name: Path) -> None:

@@ -125,7 +125,7 @@ class PreemptionCheckpoint(Checkpoint):
             remove_older_hpc_checkpoints(Path(path))
             for logger in trainer.loggers:
                 logger.finalize("finished")
-        then = requeue(trainer) if signum != signal.SIGTERM else not_requeued()
+        then = requeue(trainer, signum != signal.SIGTERM)
         message = (
             f"preempted ({name}): stopped after optimizer step {trainer.global_step:,}, the step it arrived in, and "
             f"saved {path} in {saved:.1f} s; {then}; exiting with status {128 + signum}"
@@ -143,14 +143,19 @@ def requeue_signal(trainer: pl.Trainer) -> int:
     return int(chosen or signal.SIGUSR1)
 
 
-def requeue(trainer: pl.Trainer) -> str:
-    """On rank 0 under SLURM with auto-requeue: `scontrol requeue <job>`, as Lightning's handler does; what
-    happened, in words."""
+def requeue(trainer: pl.Trainer, asked: bool = True) -> str:
+    """On rank 0 under SLURM with auto-requeue, for the requeue signal (`asked`): `scontrol requeue <job>`, as
+    Lightning's handler does; what happened, in words."""
     environment = getattr(trainer.strategy, "cluster_environment", None)
     if not isinstance(environment, SLURMEnvironment):
         if not SLURMEnvironment.detect():
             return "not on SLURM, so not requeued: run the same command with --ckpt_path=last to resume"
         environment = SLURMEnvironment()
+    if not asked:
+        return (
+            "not requeued (SIGTERM is also how scancel ends a job; SLURM requeues a preempted job itself where "
+            "PreemptMode=REQUEUE): the same command with --ckpt_path=last resumes"
+        )
     if not environment.auto_requeue:
         return "not requeued (SLURMEnvironment auto_requeue=False): resubmit it; it resumes with --ckpt_path=last"
     array = os.environ.get("SLURM_ARRAY_JOB_ID")
@@ -167,13 +172,6 @@ def requeue(trainer: pl.Trainer) -> str:
         why = (result.stderr or result.stdout).strip().splitlines()[-1:] or [f"exit {result.returncode}"]
         return f"requeue of SLURM job {job} failed ({why[0]}): resubmit it; it resumes with --ckpt_path=last"
     return f"requeued SLURM job {job}: it resumes from this checkpoint by itself"
-
-
-def not_requeued() -> str:
-    return (
-        "not requeued (SIGTERM is also how scancel ends a job; SLURM requeues a preempted job itself where "
-        "PreemptMode=REQUEUE): the same command with --ckpt_path=last resumes"
-    )
 
 
 def hpc_checkpoints(root: Path) -> dict[int, Path]:

@@ -1,0 +1,135 @@
+"""AtomicCheckpointIO: a save replaces the previous checkpoint whole or not at all, stages nothing in TMPDIR, and a
+full disk is one line naming the folder and the room needed, with the previous checkpoint intact."""
+
+from __future__ import annotations
+
+import errno
+import io
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lit_packing import checkpoint_io
+from lit_packing.checkpoint_io import AtomicCheckpointIO, CheckpointSpaceError, tensor_bytes
+
+
+class FailingFile(io.RawIOBase):
+    """A file on a disk that fills up after `room` bytes (or is interrupted there: `error`)."""
+
+    def __init__(self, file, room: int, error: BaseException):
+        self.file, self.room, self.error = file, room, error
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        if self.room < len(data):
+            raise self.error
+        self.room -= len(data)
+        return self.file.write(data)
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    def close(self) -> None:
+        self.file.close()
+        super().close()
+
+
+class FullDiskIO(AtomicCheckpointIO):
+    def __init__(self, room: int, error: BaseException | None = None):
+        self.room, self.error = room, error or OSError(errno.ENOSPC, "No space left on device")
+
+    def open_partial(self, folder, partial):
+        file, unnamed = super().open_partial(folder, partial)
+        return FailingFile(file, self.room, self.error), unnamed
+
+
+def checkpoint(seed: int) -> dict:
+    torch.manual_seed(seed)
+    weight = torch.randn(256, 256)
+    return {"state_dict": {"weight": weight, "tied": weight}, "global_step": seed}
+
+
+@pytest.fixture
+def tmpdir_elsewhere(tmp_path, monkeypatch) -> Path:
+    """TMPDIR pointed at a folder of its own, as on a node with a local /tmp."""
+    staging = tmp_path / "TMPDIR"
+    staging.mkdir()
+    monkeypatch.setenv("TMPDIR", str(staging))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile reads TMPDIR again
+    return staging
+
+
+def test_a_save_replaces_the_checkpoint_in_its_folder_and_stages_nothing(tmp_path, tmpdir_elsewhere):
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    for seed in (1, 2):
+        AtomicCheckpointIO().save_checkpoint(checkpoint(seed), path)
+        assert torch.load(path, weights_only=True)["global_step"] == seed
+    assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]
+    assert list(tmpdir_elsewhere.iterdir()) == []
+
+
+def test_tensor_bytes_counts_a_tied_weight_once():
+    assert tensor_bytes(checkpoint(1)) == 256 * 256 * 4
+
+
+@pytest.mark.parametrize("room", [0, 100, 200_000])
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, tmpdir_elsewhere, room):
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint(checkpoint(1), path)
+    before = path.read_bytes()
+    with pytest.raises(CheckpointSpaceError) as raised:
+        FullDiskIO(room).save_checkpoint(checkpoint(2), path)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert f"checkpoint last.ckpt not written: {tmp_path} has " in message
+    assert "needs about 262.1 kB" in message and "trainer.default_root_dir" in message
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["TMPDIR", "last.ckpt"]  # no partial file
+
+
+def test_a_folder_without_room_is_named_before_anything_is_written(tmp_path, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint(checkpoint(1), path)
+    before = path.read_bytes()
+    usage = checkpoint_io.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(checkpoint_io.shutil, "disk_usage", lambda folder: usage._replace(free=1000))
+    with pytest.raises(CheckpointSpaceError, match=r"has 1.0 kB free and the checkpoint needs about 262.1 kB"):
+        FullDiskIO(room=0, error=AssertionError("no write may start")).save_checkpoint(checkpoint(2), path)
+    assert path.read_bytes() == before
+
+
+def test_a_save_interrupted_mid_write_leaves_the_previous_checkpoint_and_no_partial_file(tmp_path):
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint(checkpoint(1), path)
+    with pytest.raises((KeyboardInterrupt, RuntimeError)):  # torch's writer may answer it with its own error
+        FullDiskIO(room=100_000, error=KeyboardInterrupt()).save_checkpoint(checkpoint(2), path)
+    assert torch.load(path, weights_only=True)["global_step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_a_named_partial_file_a_killed_save_left_is_replaced_by_the_next_save(tmp_path, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    (tmp_path / ".last.ckpt.partial").write_bytes(b"PK\x03\x04 cut short")
+    monkeypatch.delattr(checkpoint_io.os, "O_TMPFILE")  # a filesystem without unnamed files: the named way
+    AtomicCheckpointIO().save_checkpoint(checkpoint(3), path)
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+    assert torch.load(path, weights_only=True)["global_step"] == 3
+
+
+def test_trainer_save_checkpoint_goes_through_it_and_loads_back(tmp_path):
+    trainer = Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, plugins=[AtomicCheckpointIO()],
+    )  # fmt: skip
+    model = BoringModel()
+    trainer.fit(model)
+    trainer.save_checkpoint(tmp_path / "step2.ckpt")
+    loaded = torch.load(tmp_path / "step2.ckpt", weights_only=True)
+    assert loaded["global_step"] == 2
+    torch.testing.assert_close(loaded["state_dict"]["layer.weight"], model.layer.weight)
