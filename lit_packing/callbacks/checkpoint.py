@@ -14,6 +14,7 @@ a damaged one skipped with a line saying why.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
@@ -29,6 +30,8 @@ from lit_packing.errors import AssetError
 from lit_packing.preflight import read_checkpoint
 
 log = logging.getLogger("lit_packing")
+OURS = {"filename": "last", "save_top_k": 1, "monitor": None, "enable_version_counter": False}
+_LIGHTNING_DEFAULTS = {key: inspect.signature(ModelCheckpoint).parameters[key].default for key in OURS}
 LAST_NAME = re.compile(r"last(-v?\d+)?\.ckpt")  # ModelCheckpoint's `last` file, and its versioned names
 
 
@@ -46,7 +49,10 @@ class LastCheckpoint(ModelCheckpoint):
     """
 
     def __init__(self, dirpath: str | None = None, **kwargs: Any) -> None:
-        kwargs = {"filename": "last", "save_top_k": 1, "monitor": None, "enable_version_counter": False, **kwargs}
+        # From YAML (`class_path` with `init_args`) jsonargparse passes every `ModelCheckpoint` argument, its defaults
+        # included: only a value other than Lightning's default replaces one of ours.
+        # (jsonargparse finds the accepted arguments by reading this call: keep it `**kwargs`.)
+        kwargs = {**OURS, **{k: v for k, v in kwargs.items() if k not in OURS or v != _LIGHTNING_DEFAULTS[k]}}
         super().__init__(dirpath=dirpath, **kwargs)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
