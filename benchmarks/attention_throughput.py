@@ -26,7 +26,8 @@ from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.models.attention import attn_implementation
 from lit_packing.models.backends import flash_attn_installed, torch_varlen_available
 from lit_packing.models.loss import causal_lm_loss
-from lit_packing.models.mixers import keep_mixers_apart
+from lit_packing.models.mixers import describe_routes
+from lit_packing.models.pack import pack_model
 
 SMOLLM2_135M = dict(
     model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -126,6 +127,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dtype", default=None, help="bfloat16 (cuda default) or float32 (cpu default)")
     parser.add_argument("--family", choices=sorted(HYBRIDS), help="a hybrid instead of SmolLM2-135M's architecture")
+    parser.add_argument(
+        "--mixers",
+        default="auto",
+        choices=["auto", "kernel", "per_example"],
+        help="a hybrid's non-attention mixers: packed kernels where exact (auto), or per example",
+    )
     parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     parser.add_argument("--vocab", type=int, default=None, help="override vocab_size")
     parser.add_argument("--median", type=float, default=940.0)
@@ -146,7 +153,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), attn_implementation="sdpa").to(device)
-    keep_mixers_apart(model)  # packed rows: recurrences and convolutions per example (padded batches: untouched)
+    packing = pack_model(model, "per_example", device, mixers=args.mixers)  # each mode then sets its backend
+    if packing.mixers:
+        print(f"# mixers: {describe_routes(packing.mixers)}")
     model.train()
     batches = make_batches(args, config["vocab_size"])
     lengths = [len(ex["input_ids"]) for b in batches for ex in b]

@@ -98,7 +98,12 @@ part 45 "loss memory: 152k vocabulary (Qwen2.5), 8k and 32k tokens, bf16-mixed: 
 for family in bamba qwen3_next; do
   part 20 "hybrid $family: padding vs packed (per-example mixers beside torch_varlen), bf16" \
     "$PYTHON" -m benchmarks.attention_throughput --device cuda --family "$family" --steps 6 \
-    --modes padding per_example torch_varlen
+    --modes padding per_example torch_varlen --mixers per_example
+  # The kernel route: the mixers' own packed kernels (mamba-ssm, causal-conv1d, flash-linear-attention) where this
+  # machine has them and the probe finds them exact; the '# mixers:' line says which route each took, and why.
+  part 20 "hybrid $family: packed, mixers on their packed kernels where installed (else per example), bf16" \
+    "$PYTHON" -m benchmarks.attention_throughput --device cuda --family "$family" --steps 6 \
+    --modes torch_varlen --mixers auto
 done
 
 echo "== done in ${SECONDS}s; results under $RESULTS/bench_gpu*"

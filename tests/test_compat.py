@@ -521,3 +521,19 @@ def test_every_private_attribute_of_another_library_is_read_in_compat():
     }
     assert offenders == {}
     assert _private_uses(ast.parse("import torch\ntorch._dynamo.reset()")) == ["torch._dynamo.reset"]  # it can fail
+
+
+def test_mixer_kernels():
+    """transformers' fallback wrapper of a mixer's packed kernels: the kernel's name, its package, whether it loads."""
+    import importlib.util
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.models.families import tiny_config
+
+    bamba = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_config("bamba")))
+    found = {k.function: k for k in _compat.mixer_kernels(bamba.model.layers[0].mamba)}
+    what = "integrations.hub_kernels.use_kernel_func_from_hub_with_fallback's wrapper"
+    expect({"causal_conv1d_fn", "mamba_chunk_scan_combined"} <= set(found), "transformers", what)
+    expect(found["causal_conv1d_fn"].package == "causal_conv1d", "transformers", what)
+    expect(found["causal_conv1d_fn"].installed == bool(importlib.util.find_spec("causal_conv1d")), "transformers", what)

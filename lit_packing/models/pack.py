@@ -41,7 +41,7 @@ from lit_packing.models.mixers import (
     keep_mixers_apart,
     kernel_unavailable,
 )
-from lit_packing.models.probe import probe_packing
+from lit_packing.models.probe import Probe, probe_packing
 from lit_packing.models.selftest import PADDED_FIX
 
 log = logging.getLogger(__name__)
@@ -142,26 +142,37 @@ def pack_model(
 
 
 def _probe_routes(hf: PreTrainedModel, device: torch.device, choice: MixerChoice, check: bool):
-    """Route the mixers for `device`, then probe; a kernel route the probe refuses falls back per example (or,
-    with `choice=kernel`, is refused). Returns the probe's record and the routes."""
+    """Route the mixers for `device`, then probe (`confirm_routes`). Returns the probe's record and the routes."""
     routes = keep_mixers_apart(hf, device, choice)
+    return confirm_routes(hf, routes, device, choice, check), routes
+
+
+def confirm_routes(
+    hf: PreTrainedModel,
+    routes: list[MixerRoute],
+    device: torch.device,
+    choice: MixerChoice = "auto",
+    check: bool = True,
+) -> Probe:
+    """Run the construction probe over the routed mixers; a kernel route the probe refuses (its packed forward
+    raises or leaks on this device) falls back per example and the probe runs again, or, with `choice=kernel`,
+    is refused in one line. Returns the probe's record."""
     if choice == "kernel" and (slow := [r for r in routes if r.route != "kernel"]):
         raise ConfigError(
-            "model.mixers",
+            "mixers",
             f"{slow[0].name} ({slow[0].kind}) cannot take the kernel route on {device}: {slow[0].why}",
             "install its kernels' packages, or set {mixers}=auto (per example where they are missing)",
-            {"mixers": "model.mixers"},
         )
     try:
-        return probe_packing(hf, check=check), routes
+        return probe_packing(hf, check=check)
     except ConfigError as error:
         if not any(r.route == "kernel" for r in routes):
             raise
         if choice == "kernel":
-            raise ConfigError("model.mixers", f"the kernel route is not exact on {device}: {error.problem}",
-                              "set {mixers}=auto", {"mixers": "model.mixers"}) from None  # fmt: skip
-        fall_back(routes, f"its packed kernels were not exact on {device}: {error.problem[:160]}")
-        return probe_packing(hf, check=check), routes
+            raise ConfigError("mixers", f"the kernel route is not exact on {device}: {error.problem}",
+                              "set {mixers}=auto") from None  # fmt: skip
+        fall_back(routes, f"its packed kernels were not exact on {device}: {error.problem[:300]}")
+        return probe_packing(hf, check=check)
 
 
 def check_packing_support(lm: PreTrainedModel) -> None:
