@@ -82,6 +82,7 @@ def stream_loader(source, workers: int, buffer_size: int, max_tokens: int = 8192
 
     from lit_packing.assets import resolve_pretrained
     from lit_packing.data import PackedCollator
+    from lit_packing.data.global_batch import Layout
     from lit_packing.data.stream import Stream, StreamLoader, TokenizeRules
     from lit_packing.samplers import BestFitPackingSampler, RunContext
 
@@ -93,7 +94,7 @@ def stream_loader(source, workers: int, buffer_size: int, max_tokens: int = 8192
         sampler = BestFitPackingSampler(window.lengths, max_tokens=max_tokens)
         return sampler.connect(RunContext(seed=0, label_counter=window.count_labels))
 
-    return StreamLoader(stream, make, PackedCollator(2), lambda: (1, 1))
+    return StreamLoader(stream, make, PackedCollator(2), lambda: Layout(1, 1))
 
 
 def first_step(folder: str, workers: int, buffer_size: int) -> None:

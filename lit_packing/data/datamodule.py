@@ -45,6 +45,7 @@ from lit_packing.data.feed import Feed, FeedSettings, data_loader, named_setting
 from lit_packing.data.global_batch import (
     Accumulation,
     GlobalBatch,
+    Layout,
     accumulation,
     global_batch,
     resumed_accumulation,
@@ -336,7 +337,7 @@ class PackingDataModule(LightningDataModule):
         trainer = self.trainer
         if trainer is not None and "world_size" in saved:
             configured = int(state_dict.get("accumulate_setting") or saved["accumulate"])
-            layout = (int(saved["world_size"]), int(saved["accumulate"]))
+            layout = Layout(int(saved["world_size"]), int(saved["accumulate"]))
             world, accumulate = trainer.world_size, trainer.accumulate_grad_batches
             self._accumulate(resumed_accumulation(self._global_batch(), layout, configured, world, accumulate))
         # The step saved with the position: `configure_optimizers` may build the loader (reading

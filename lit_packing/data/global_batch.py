@@ -2,7 +2,7 @@
 
     batch = global_batch(None, 16384, budget=4096)          # GlobalBatch(packs=4, setting="data.tokens_per_step")
     accumulation(batch, world_size=2, accumulate=1).value    # 2: 2 ranks x 2 accumulated
-    resumed_accumulation(None, (2, 1), configured=1, world_size=1, accumulate=1).value   # 2: the checkpoint's 2 packs
+    resumed_accumulation(None, Layout(2, 1), configured=1, world_size=1, accumulate=1).value   # 2: the saved 2 packs
 
 Arithmetic on the settings and the trainer's numbers only, so that every case is tested without a Trainer
 (tests/data/test_global_batch.py). `PackingDataModule` applies the result: it sets Lightning's
@@ -12,10 +12,18 @@ Arithmetic on the settings and the trainer's numbers only, so that every case is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from lit_packing.errors import ConfigError
 from lit_packing.samplers import AUTO
 from lit_packing.text import count, dividing_fix
+
+
+class Layout(NamedTuple):
+    """How a run spreads an optimizer step: over `world_size` ranks, `accumulate` micro-batches on each."""
+
+    world_size: int
+    accumulate: int
 
 
 @dataclass(frozen=True)
@@ -110,7 +118,7 @@ def accumulation(batch: GlobalBatch | None, world_size: int, accumulate: int) ->
 
 
 def resumed_accumulation(
-    batch: GlobalBatch | None, saved: tuple[int, int], configured: int, world_size: int, accumulate: int
+    batch: GlobalBatch | None, saved: Layout, configured: int, world_size: int, accumulate: int
 ) -> Accumulation:
     """On a resume: keep the checkpoint's global batch unless the run changes it, and say when it changes.
 
@@ -120,7 +128,7 @@ def resumed_accumulation(
 
     Args:
         batch: the configured global batch (`global_batch`), None when neither setting is given.
-        saved: the checkpoint's `(world_size, accumulate)`.
+        saved: the checkpoint's layout.
         configured: `trainer.accumulate_grad_batches` as configured at the saved launch (before a global batch
             derived another).
         world_size: the ranks this run gets.
@@ -129,7 +137,7 @@ def resumed_accumulation(
     Raises:
         ConfigError: the checkpoint's global batch cannot be split evenly over this run's ranks.
     """
-    saved_world, saved_accumulate = saved
+    saved_world, saved_accumulate = saved.world_size, saved.accumulate
     packs = saved_world * saved_accumulate
     if batch is not None:
         if batch.packs == packs:

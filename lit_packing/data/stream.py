@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lit_packing.batch import IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, SOURCE_TOKENS, TRUNCATED_TOKENS, WINDOW, Pack
 from lit_packing.data.encode import DROPPED, LABEL_TOKENS, ROW, Encoder, chat_template, tokenize_batch
+from lit_packing.data.global_batch import Layout
 from lit_packing.data.report import TokenizationReport, check_report, report_of
 from lit_packing.data.shapes import CHAT, LINE
 from lit_packing.data.sources import Source
@@ -515,7 +516,7 @@ class StreamLoader:
         make_sampler: builds the configured sampler on a window's lengths, connected to the run (the data module's
             `_build_sampler`), given the window (its `count_labels` gives the step totals).
         collate: the collator.
-        layout: the run's `(world_size, accumulate)` when asked (every window is whole optimizer steps).
+        layout: the run's `Layout` when asked (every window is whole optimizer steps).
     """
 
     def __init__(
@@ -523,7 +524,7 @@ class StreamLoader:
         stream: Stream,
         make_sampler: Callable[[Window], PlannedBatchSampler],
         collate: Callable,
-        layout: Callable[[], tuple[int, int]],
+        layout: Callable[[], Layout],
     ) -> None:
         self.stream = stream
         self.make_sampler = make_sampler
@@ -561,7 +562,7 @@ class StreamLoader:
         self, number: int, steps_before: int, sampler_state: dict | None, carried: Carried
     ) -> Iterator[dict[str, Any]]:
         mixer = self.mixer
-        accumulate = self.layout()[1]
+        accumulate = self.layout().accumulate
         while True:
             state_start, carried_start = mixer.state.copy(), carried
             window = mixer.window(number, carried)
@@ -632,14 +633,15 @@ class StreamLoader:
             if record.start <= trained < record.start + record.micro_batches:
                 inside = trained - record.start
                 if inside > len(record.sampler):  # inside the empty packs that complete the epoch's last step: its
-                    inside = inside // self.layout()[1] * self.layout()[1]  # gradients were not applied, redo it
+                    accumulate = self.layout().accumulate  # gradients were not applied, redo it
+                    inside = inside // accumulate * accumulate
                 return {**base, "window": record.number, "steps_before": record.steps_before,
                         "sampler": record.sampler.state_dict(steps_done=inside),
                         "mixer": record.state_start.as_dict(), "carried": record.carried_start.as_dict()}  # fmt: skip
         last = self._records[-1]
         return {**base, "window": last.number + 1, "sampler": None, "mixer": last.state_end.as_dict(),
                 "carried": last.carried_end.as_dict(),
-                "steps_before": last.steps_before + last.micro_batches // self.layout()[1]}  # fmt: skip
+                "steps_before": last.steps_before + last.micro_batches // self.layout().accumulate}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at `state`'s window; refuse a position of another stream, naming the setting that differs."""

@@ -20,6 +20,7 @@ import numpy as np
 from lit_packing.batch import StepShape
 from lit_packing.contract import DataContract
 from lit_packing.data.feed import AutoCandidates, Feed, SamplerBuilder
+from lit_packing.data.global_batch import Layout
 from lit_packing.data.report import TokenizationReport
 from lit_packing.data.shapes import LINE
 from lit_packing.data.stream import Stream, StreamLoader, TokenizeRules, Window, held_out, members, split_id
@@ -81,8 +82,8 @@ class StreamFeed(Feed):
     def train_loader(self, build: SamplerBuilder, tokenizer: Any, trainer: pl.Trainer | None) -> StreamLoader:
         """The training loader of the stream: each window planned by the configured sampler, connected to the run."""
 
-        def layout() -> tuple[int, int]:
-            return (trainer.world_size, trainer.accumulate_grad_batches) if trainer is not None else (1, 1)
+        def layout() -> Layout:
+            return Layout(trainer.world_size, trainer.accumulate_grad_batches) if trainer is not None else Layout(1, 1)
 
         def make_sampler(window: Window) -> PlannedBatchSampler:
             sampler = build(window.lengths, window.count_labels)

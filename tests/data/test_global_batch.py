@@ -8,6 +8,7 @@ import pytest
 from lit_packing.data.global_batch import (
     Accumulation,
     GlobalBatch,
+    Layout,
     accumulation,
     global_batch,
     resumed_accumulation,
@@ -92,7 +93,7 @@ def test_a_hand_set_accumulation_that_contradicts_the_global_batch_is_refused():
     ],
 )
 def test_a_resume_keeps_the_saved_global_batch_on_a_new_world_size(saved, configured, world_size, accumulate, expected):
-    kept = resumed_accumulation(None, saved, configured, world_size, accumulate)
+    kept = resumed_accumulation(None, Layout(*saved), configured, world_size, accumulate)
     assert kept.value == expected
     if expected is not None:
         packs = saved[0] * saved[1]
@@ -103,7 +104,7 @@ def test_a_resume_keeps_the_saved_global_batch_on_a_new_world_size(saved, config
 
 def test_a_resume_that_cannot_split_the_saved_global_batch_is_refused():
     with pytest.raises(ConfigError) as raised:
-        resumed_accumulation(None, (2, 1), configured=1, world_size=3, accumulate=1)
+        resumed_accumulation(None, Layout(2, 1), configured=1, world_size=3, accumulate=1)
     assert str(raised.value) == (
         "trainer.devices: the checkpoint's global batch of 2 packs per optimizer step (2 x 1 accumulated) cannot be "
         "split evenly over 3 ranks; run on a number of ranks that divides 2 (1, 2), or set data.packs_per_step to a "
@@ -113,8 +114,8 @@ def test_a_resume_that_cannot_split_the_saved_global_batch_is_refused():
 
 def test_a_resume_with_a_configured_global_batch_takes_it_and_says_when_it_changes():
     """`setup` already derived the accumulation from the setting: the resume sets nothing, it only says so."""
-    assert resumed_accumulation(GlobalBatch(2, PACKS), (2, 1), 1, world_size=1, accumulate=2) == Accumulation()
-    changed = resumed_accumulation(GlobalBatch(1, PACKS), (2, 1), 1, world_size=1, accumulate=1)
+    assert resumed_accumulation(GlobalBatch(2, PACKS), Layout(2, 1), 1, world_size=1, accumulate=2) == Accumulation()
+    changed = resumed_accumulation(GlobalBatch(1, PACKS), Layout(2, 1), 1, world_size=1, accumulate=1)
     assert changed == Accumulation(
         None,
         "global batch: 1 pack per optimizer step (data.packs_per_step) instead of the checkpoint's 2: the packs not "

@@ -11,6 +11,7 @@ import pytest
 
 from lit_packing.batch import INPUT_IDS, LABELS, ROWS, SOURCE_TOKENS
 from lit_packing.data import Chatterbot, HFDataset, HumanEval, Mixture, PackedCollator, PackingDataModule
+from lit_packing.data.global_batch import Layout
 from lit_packing.data.stream import Mixer, MixerState, Stream, StreamLoader, TokenizeRules, example_id, split_id
 from lit_packing.errors import ConfigError, DataError
 from lit_packing.samplers import BestFitPackingSampler, MultipackSampler, RunContext
@@ -28,7 +29,7 @@ def loader(stream, rank=0, world_size=1, accumulate=1, factory=BestFitPackingSam
         sampler = factory(window.lengths, max_tokens=max_tokens, rank=rank, world_size=world_size)
         return sampler.connect(RunContext(seed=SEED, accumulate=accumulate, label_counter=window.count_labels))
 
-    return StreamLoader(stream, make, PackedCollator(0), lambda: (world_size, accumulate))
+    return StreamLoader(stream, make, PackedCollator(0), lambda: Layout(world_size, accumulate))
 
 
 def examples(batches) -> list[int]:
