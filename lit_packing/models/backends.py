@@ -3,7 +3,7 @@ it needs (sinks, softcap, windows, dropout), or a one-line refusal naming why.
 
     backend = resolve_backend("auto", "cuda", needs)    # flash_attn > torch_varlen > per_example
 
-`lit_packing.models.door.pack_model` resolves once for the host the model is built on, and once more for the
+`lit_packing.models.pack.pack_model` resolves once for the host the model is built on, and once more for the
 trainer's device (`Packing.to_device`); nothing else resolves a backend.
 """
 

@@ -59,3 +59,22 @@ def per_example_reference(model, examples):
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     return torch.cat(logits), loss.detach(), grads
+
+
+def broken_backend() -> str:
+    """Register (once) and return the name of a broken attention backend: plain causal sdpa over the whole packed
+    row, ignoring `cu_seq_lens` (what the self-test must catch)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def ignores_boundaries(module, query, key, value, attention_mask, cu_seq_lens_q=None, **kwargs):
+        kwargs.pop("cu_seq_lens_k", None), kwargs.pop("max_length_q", None), kwargs.pop("max_length_k", None)
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+    AttentionInterface.register(BROKEN, ignores_boundaries)
+    AttentionMaskInterface.register(BROKEN, lambda *args, **kwargs: None)
+    return BROKEN
+
+
+BROKEN = "test_ignores_boundaries"

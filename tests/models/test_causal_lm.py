@@ -12,14 +12,12 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface
 
 from lit_packing.batch import attach_step
 from lit_packing.data.collate import PackedCollator, PaddedCollator
-from lit_packing.models import IsolationError, PackedCausalLM, check_isolation, check_packed_batch
+from lit_packing.models import IsolationError, PackedCausalLM, check_isolation
 from lit_packing.models.loss import causal_lm_loss, per_example_losses, token_losses
+from tests.helpers import broken_backend
 
 LENGTHS = [9, 4, 15, 6, 6, 11, 2, 8]
 
@@ -269,50 +267,8 @@ def test_validation_packed_equals_unpacked(tiny_llama_config):
 # Guards
 
 
-def _ignores_boundaries(module, query, key, value, attention_mask, cu_seq_lens_q=None, **kwargs):
-    """A broken backend: plain causal attention over the whole packed row."""
-    kwargs.pop("cu_seq_lens_k", None), kwargs.pop("max_length_q", None), kwargs.pop("max_length_k", None)
-    return sdpa_attention_forward(module, query, key, value, None, **kwargs)
-
-
-AttentionInterface.register("test_ignores_boundaries", _ignores_boundaries)
-AttentionMaskInterface.register("test_ignores_boundaries", lambda *args, **kwargs: None)
-
-
-def test_self_test_catches_backend_that_ignores_cu_seq_lens(tiny_config):
-    lm = make_lm(tiny_config)
-    batch = PackedCollator()(make_examples(LENGTHS))
-    assert check_isolation(lm.model, batch, "per_example") < 1e-4
-    lm.model.set_attn_implementation("test_ignores_boundaries")
-    with pytest.raises(IsolationError, match=r"attn_backend=broken.*max abs"):
-        check_isolation(lm.model, batch, "broken")
-
-
-def test_self_test_catches_running_positions(tiny_config):
-    """Position ids that run on across examples: transformers' own sdpa path then sees one long sequence."""
-    lm = make_lm(tiny_config)
-    lm.model.set_attn_implementation("sdpa")  # isolates packed rows from restarting position_ids alone
-    batch = PackedCollator()(make_examples(LENGTHS))
-    assert check_isolation(lm.model, batch, "sdpa") < 1e-4
-    batch["position_ids"] = torch.arange(batch["input_ids"].shape[1])[None]
-    with pytest.raises(IsolationError, match="position_ids do not restart"):
-        check_packed_batch(batch)
-    with pytest.raises(IsolationError, match="attn_backend=sdpa.*max abs"):
-        check_isolation(lm.model, batch, "sdpa")
-
-
-def test_guard_rejects_packed_batch_with_2d_mask(tiny_llama_config):
-    lm = make_lm(tiny_llama_config)
-    batch = PackedCollator()(make_examples(LENGTHS))
-    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
-    with pytest.raises(IsolationError, match="2D attention_mask"):
-        lm.on_before_batch_transfer(batch, 0)
-    del batch["attention_mask"]
-    assert lm.on_before_batch_transfer(batch, 0) is batch
-
-
 def test_fit_stops_before_first_step_on_broken_backend(tiny_llama_config, monkeypatch):
-    monkeypatch.setattr("lit_packing.models.pack.attn_implementation", lambda backend: "test_ignores_boundaries")
+    monkeypatch.setattr("lit_packing.models.pack.attn_implementation", lambda backend: broken_backend())
     lm = make_lm(tiny_llama_config, lr=1e-3)
     before = {n: p.detach().clone() for n, p in lm.named_parameters()}
     with pytest.raises(IsolationError, match="isolation self-test failed"):
