@@ -139,7 +139,7 @@ def test_a_checkpoint_of_another_model_shape_is_named(checkpoints):
     from lit_packing.data.collate import PackedCollator
     from lit_packing.errors import AssetError
     from lit_packing.models import PackedCausalLM
-    from tests.models.test_attention import make_examples
+    from tests.helpers import make_examples
 
     other = PackedCausalLM(model_config={**TINY, "hidden_size": 32, "intermediate_size": 64})
     batches = DataLoader([PackedCollator()(make_examples([5, 7]))], batch_size=None, collate_fn=lambda b: b)

@@ -21,8 +21,9 @@ from lit_packing.models.mixers import find_mixers
 from lit_packing.models.pack import pack_model
 from tests.conftest import TINY_CONFIGS
 from tests.emulated.machine import SimulatedGPU
+from tests.helpers import make_examples, tiny_model
 from tests.models.families import tiny_config
-from tests.models.test_attention import EXTRA_FAMILIES, LENGTHS, MODEL_KEYS, make_examples, tiny_model
+from tests.models.test_attention import EXTRA_FAMILIES, LENGTHS, MODEL_KEYS
 
 FAMILIES = {
     **{name: dict(config, vocab_size=1000) for name, config in TINY_CONFIGS.items()},

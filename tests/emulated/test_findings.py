@@ -22,7 +22,7 @@ from lit_packing.models.loss import HeadInputs, causal_lm_loss
 from lit_packing.models.pack import pack_model
 from tests.emulated.machine import SimulatedGPU
 from tests.emulated.test_backends import EXAMPLES, FAMILIES, MODEL_KEYS
-from tests.models.test_attention import make_examples, tiny_model
+from tests.helpers import make_examples, tiny_model
 
 CUDA = torch.device("cuda", 0)
 OPS = {

@@ -10,7 +10,6 @@ and backward with each example run alone (fp32, the `per_example` backend).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,7 @@ from lit_packing.errors import ConfigError
 from lit_packing.models.loading import load_causal_lm
 from lit_packing.models.loss import token_losses
 from lit_packing.models.mixers import find_mixers
+from tests.helpers import per_example_reference
 
 # Causal-LM heads on encoders (BERT-likes run as decoders), encoder-decoders, and multimodal models: not text-only
 # decoder families.
@@ -253,21 +253,3 @@ def measure(family: str, seed: int = 0) -> Row:
         float((p.grad - ref_grads[n]).abs().max()) for n, p in model.named_parameters() if p.grad is not None
     )
     return row
-
-
-def per_example_reference(model, examples):
-    """Logits, token-mean loss and gradients of each example run alone (fresh positions)."""
-    model.zero_grad()
-    logits, total, count = [], 0.0, 0
-    with contextlib.ExitStack():
-        for ex in examples:
-            out = model(input_ids=torch.tensor([ex["input_ids"]]), use_cache=False).logits
-            losses, mask, _ = token_losses(out, torch.tensor([ex["labels"]]))
-            total = total + losses.sum()
-            count += int(mask.sum())
-            logits.append(out[0].detach())
-    loss = total / count
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    return torch.cat(logits), loss.detach(), grads

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_packing.batch import INPUT_IDS, PACKED_KEYS, POSITION_IDS
 from lit_packing.data.collate import PackedCollator, PaddedCollator
@@ -13,43 +12,12 @@ from lit_packing.models.backends import resolve_backend
 from lit_packing.models.loss import token_losses
 from lit_packing.models.pack import pack_model
 from lit_packing.models.segments import boundaries_from_positions
+from tests.helpers import make_examples, per_example_reference, tiny_model
 
 # Two examples of equal length (one batched call), a 1-token example, prompts masked with -100.
 LENGTHS = [7, 3, 12, 7, 1, 5]
 CPU_BACKENDS = ["per_example", "sdpa_mask"]
 MODEL_KEYS = (INPUT_IDS, POSITION_IDS, *PACKED_KEYS[:4])  # what the model reads of a packed batch
-
-
-def make_examples(lengths, vocab=1000, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for n in lengths:
-        ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
-        out.append({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3 :]})
-    return out
-
-
-def tiny_model(config: dict, attn="sdpa", seed=0):
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), attn_implementation=attn)
-
-
-def per_example_reference(model, examples):
-    """Logits of each example run alone (plain sdpa, fresh positions), and grads of the global token-mean loss."""
-    model.zero_grad()
-    logits, loss_sum, count = [], 0.0, 0
-    for ex in examples:
-        ids = torch.tensor([ex["input_ids"]])
-        out = model(input_ids=ids, use_cache=False).logits
-        losses, mask, _ = token_losses(out, torch.tensor([ex["labels"]]))
-        loss_sum = loss_sum + losses.sum()
-        count += int(mask.sum())
-        logits.append(out[0])
-    loss = loss_sum / count
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    return torch.cat(logits), loss.detach(), grads
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

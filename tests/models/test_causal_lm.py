@@ -17,18 +17,9 @@ from lit_packing.batch import attach_step
 from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.models import IsolationError, PackedCausalLM, check_isolation
 from lit_packing.models.loss import causal_lm_loss, per_example_losses, token_losses
-from tests.helpers import broken_backend
+from tests.helpers import broken_backend, make_examples
 
 LENGTHS = [9, 4, 15, 6, 6, 11, 2, 8]
-
-
-def make_examples(lengths, vocab=1000, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for n in lengths:
-        ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
-        out.append({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3 :]})
-    return out
 
 
 def make_lm(config, **kwargs) -> PackedCausalLM:

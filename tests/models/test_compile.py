@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from lit_packing.data.collate import PackedCollator
 from lit_packing.models import PackedCausalLM
 from tests.conftest import TINY_CONFIGS
-from tests.models.test_attention import make_examples
+from tests.helpers import make_examples
 
 # Real lengths differ every step (and so does the number of examples); the buckets make T one of two sizes.
 STEPS = [[30, 50, 20], [90, 100], [10, 40, 35, 25], [120, 70], [15, 15, 15, 15, 15]]

@@ -13,7 +13,8 @@ from lit_packing.errors import ConfigError
 from lit_packing.models import PackedCausalLM
 from lit_packing.models.loss import causal_lm_loss, eval_sums
 from tests.conftest import TINY_CONFIGS
-from tests.models.test_attention import EXTRA_FAMILIES, make_examples
+from tests.helpers import make_examples
+from tests.models.test_attention import EXTRA_FAMILIES
 
 FAMILIES = {**{name: dict(cfg, vocab_size=1000) for name, cfg in TINY_CONFIGS.items()}, **EXTRA_FAMILIES}
 # Random-init logits are ~0.1: a cap of 0.1 (gemma2's is 30) makes the soft-cap change them for real.

@@ -18,7 +18,8 @@ from lit_packing.models.loss import token_losses
 from lit_packing.models.mixers import find_mixers, keep_mixers_apart
 from lit_packing.models.pack import pack_model
 from lit_packing.models.selftest import check_isolation
-from tests.models.families import per_example_reference, tiny_config
+from tests.helpers import per_example_reference
+from tests.models.families import tiny_config
 
 
 def test_mixers_are_found_outermost_and_not_in_attention_only_models():
