@@ -40,6 +40,11 @@ PACKED_KEYS = (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, SEQ_IDX
 # What a transformers model reads of a batch (packed or padded); the rest is for the loss and the callbacks.
 MODEL_KEYS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K)
 TRUNCATED_TOKENS = "truncated_tokens"  # an example's tokens cut by the overlong policy (a tokenized column)
+# Preference pairs: a tokenized pair is one item, its chosen sequence's tokens first (`CHOSEN_TOKENS` of them), then
+# its rejected one's; a batch of pairs names, for each pair, the segments (rows of `cu_seq_lens_q`) of its two
+# sequences: `PAIRS` (P, 2) int64, [chosen segment, rejected segment].
+CHOSEN_TOKENS = "chosen_tokens"
+PAIRS = "pairs"
 
 
 class Counts(TypedDict):

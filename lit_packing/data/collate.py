@@ -38,6 +38,7 @@ import torch
 
 from lit_packing.batch import (
     ATTENTION_MASK,
+    CHOSEN_TOKENS,
     COUNTS,
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
@@ -48,6 +49,7 @@ from lit_packing.batch import (
     LENGTHS,
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
+    PAIRS,
     POSITION_IDS,
     ROWS,
     SEQ_IDX,
@@ -225,6 +227,50 @@ class PackedCollator:
             LENGTHS: lengths,
             **host,
         }
+
+
+class PairCollator:
+    """Preference pairs into one packed row: each pair's chosen and rejected sequences are two segments of it, and
+    `pairs` (P, 2) names the segments of each pair, so the pair's identity is explicit per segment.
+
+    A pair item holds `input_ids` / `labels` of its chosen sequence then its rejected one (`chosen_tokens` of them
+    first), the prompt in both, masked in the labels. Two pairs of (prompt 2 + chosen 2, prompt 2 + rejected 1):
+
+    >>> pair = {"input_ids": [5, 6, 7, 8, 5, 6, 9], "labels": [-100, -100, 7, 8, -100, -100, 9], "chosen_tokens": 4}
+    >>> batch = PairCollator()([pair, pair])
+    >>> batch["cu_seq_lens_q"].tolist(), batch["pairs"].tolist()
+    ([0, 4, 7, 11, 14], [[0, 1], [2, 3]])
+    >>> batch["position_ids"][0, :7].tolist(), batch["labels"][0, :7].tolist()
+    ([0, 1, 2, 3, 0, 1, 2], [-100, -100, 7, 8, -100, -100, 9])
+
+    Args: those of `PackedCollator` (the row is built by it; isolation is always on).
+    """
+
+    def __init__(
+        self, pad_token_id: int = 0, pad_to_multiple_of: int | None = None, bucket_sizes: list[int] | None = None
+    ) -> None:
+        self.packed = PackedCollator(pad_token_id, pad_to_multiple_of, bucket_sizes)
+
+    def plan_slots(self, plan: PackPlan) -> PlanSlots:
+        """Per pack of `plan` (whose items are pairs), the slots; attention pairs are bounded by the pairs' whole
+        lengths (a pair's two sequences attend apart: fewer)."""
+        return self.packed.plan_slots(plan)
+
+    def __call__(self, pairs: list[dict[str, Any]]) -> dict[str, Any]:
+        host = _host_entries(pairs)
+        sequences = []
+        for pair in pairs:
+            ids, labels, split = _as_array(pair[INPUT_IDS]), _as_array(pair[LABELS]), int(pair[CHOSEN_TOKENS])
+            if not 0 < split < len(ids):
+                raise ValueError(f"a pair needs a chosen and a rejected sequence: chosen_tokens={split} of {len(ids)}")
+            sequences += [
+                {INPUT_IDS: ids[:split], LABELS: labels[:split]},
+                {INPUT_IDS: ids[split:], LABELS: labels[split:]},
+            ]
+        batch = self.packed(sequences)
+        batch[PAIRS] = torch.arange(2 * len(pairs), dtype=torch.int64).view(len(pairs), 2)
+        batch.update(host)
+        return batch
 
 
 class PaddedCollator:
