@@ -37,18 +37,19 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lit_packing._compat import cli_setting, parser_options
 from lit_packing.callbacks import PackingMonitor, TokenThroughputMonitor
-from lit_packing.callbacks.checkpoint import LastCheckpoint, newest_checkpoint
+from lit_packing.callbacks.checkpoint import LastCheckpoint
 from lit_packing.callbacks.preemption import PreemptionCheckpoint, hpc_checkpoints
 from lit_packing.callbacks.progress import progress_callback
 from lit_packing.callbacks.validation import ValidationSchedule
-from lit_packing.checkpoint_io import AtomicCheckpointIO
+from lit_packing.checkpoint_io import PARTIAL_SUFFIX, AtomicCheckpointIO
 from lit_packing.data import PackingDataModule
-from lit_packing.errors import ConfigError, LitPackingError, TrainingError
+from lit_packing.errors import AssetError, ConfigError, LitPackingError, TrainingError
 from lit_packing.models import PackedCausalLM
-from lit_packing.preflight import Position, check_left_to_train, preflight, read_position
+from lit_packing.preflight import Position, check_left_to_train, preflight, read_checkpoint, read_position
 from lit_packing.processes import tie_to_launcher
 
 log = logging.getLogger("lit_packing")
+LAST_NAME = re.compile(r"last(-v?\d+)?\.ckpt")  # ModelCheckpoint's `last` file, and its versioned names
 # W&B offline (sync later with `wandb sync runs/wandb/offline-run-*`) plus a CSV file; both under runs/.
 DEFAULT_LOGGERS = [
     {
@@ -271,6 +272,35 @@ class PackingCLI(LightningCLI):
         if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
             plugins.append(AtomicCheckpointIO())
         return super().instantiate_trainer(**kwargs, callbacks=callbacks, plugins=plugins)
+
+
+def newest_checkpoint(trainer: Trainer) -> Path | None:
+    """The newest (by modification time) checkpoint of the run that reads as complete, or None if there is none.
+
+    The candidates: `last*.ckpt` in the folder of each `ModelCheckpoint` with a known folder (its `dirpath`;
+    `<default_root_dir>/checkpoints` for `LastCheckpoint`) and `hpc_ckpt_<N>.ckpt` in `default_root_dir`. A
+    damaged one (empty, cut short, unreadable) is skipped with a line naming it and what is wrong. What a save
+    killed between its flush and its rename left (`.<name>.ckpt.partial`) is removed from those folders.
+    """
+    root = Path(trainer.default_root_dir)
+    folders = [root]
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            folder = callback.dirpath or (root / "checkpoints" if isinstance(callback, LastCheckpoint) else None)
+            folders += [Path(folder)] if folder is not None and Path(folder).is_dir() else []
+    candidates = set(hpc_checkpoints(root).values())
+    for folder in folders:
+        candidates |= {path for path in folder.iterdir() if LAST_NAME.fullmatch(path.name)}
+        for partial in folder.glob(f".*.ckpt{PARTIAL_SUFFIX}"):  # a save killed between its flush and its rename
+            partial.unlink(missing_ok=True)
+    for path in sorted(candidates, key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            read_checkpoint(path)
+        except AssetError as error:
+            log.info(f"--ckpt_path=last: skipping {path}: {error.problem.removeprefix(str(path)).strip()}")
+            continue
+        return path
+    return None
 
 
 def cli_main(args: ArgsType = None, run: bool = True) -> PackingCLI:

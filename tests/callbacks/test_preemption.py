@@ -16,9 +16,10 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lit_packing import processes
-from lit_packing.callbacks.checkpoint import LastCheckpoint, newest_checkpoint
+from lit_packing.callbacks.checkpoint import LastCheckpoint
 from lit_packing.callbacks.preemption import Preempted, PreemptionCheckpoint, next_hpc_path, requeue
 from lit_packing.checkpoint_io import AtomicCheckpointIO
+from lit_packing.cli import newest_checkpoint
 
 
 class SignalAt(Callback):
