@@ -23,6 +23,7 @@ from lit_packing.errors import LitPackingError
 
 __all__ = [
     "CompatError",
+    "accumulates",
     "attached_trainer",
     "attn_implementation_of",
     "batch_sampler_with_epoch",
@@ -138,6 +139,15 @@ def ready_batches(trainer: Any) -> int:
         "lightning", "fit_loop.epoch_loop.batch_progress", lambda: trainer.fit_loop.epoch_loop.batch_progress
     )
     return int(_get("lightning", "fit_loop.epoch_loop.batch_progress.current.ready", lambda: progress.current.ready))
+
+
+def accumulates(trainer: Any) -> bool:
+    """Whether the training batch under way (from `on_train_batch_start` on) only accumulates its gradients: not
+    the last micro-batch of its optimizer step (Lightning steps on an epoch's final batch whatever the count).
+
+    Lightning: `trainer.fit_loop._should_accumulate()`, the loop's own test; checked on 2.6.6.
+    """
+    return bool(_get("lightning", "fit_loop._should_accumulate", lambda: trainer.fit_loop._should_accumulate)())
 
 
 def move_epoch_position(trainer: Any, batches: int) -> None:

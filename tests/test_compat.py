@@ -132,6 +132,17 @@ def test_ready_batches(resumed_fit):
     expect(resumed[0] == ("on_train_start", None, 3, 3), "lightning", what)
 
 
+def test_accumulates(tmp_path):
+    """From `on_train_batch_start`, accumulating 3 over an epoch of 64 batches: every batch but each third and the
+    epoch's last (Lightning steps there whatever the count)."""
+    callback = Hook(
+        lambda hook, tr, module, batch, batch_idx: (batch_idx, _compat.accumulates(tr)), "on_train_batch_start"
+    )
+    trainer(tmp_path, [callback], max_epochs=1, accumulate_grad_batches=3).fit(BoringModel())
+    stepping = [batch_idx for batch_idx, accumulating in callback.seen if not accumulating]
+    expect(stepping == [*range(2, 64, 3), 63], "lightning", "fit_loop._should_accumulate")
+
+
 def test_move_epoch_position(tmp_path_factory, resumed_fit):
     """Moved at `on_train_start` of a resume from batch 3 to batch 2 (accumulating 2): the next batch is index 2,
     the optimizer steps after batches 3 and 5, and the epoch ends at its own length."""

@@ -31,7 +31,7 @@ import torch
 import torchmetrics
 from lightning.pytorch import Callback, LightningModule
 
-from lit_packing._compat import attached_trainer, compiled_graphs, foreach_norm
+from lit_packing._compat import accumulates, attached_trainer, compiled_graphs, foreach_norm
 from lit_packing.batch import LABELS, ROWS, STEP, StepShape, is_packed, model_inputs
 from lit_packing.contract import DataContract, DataModelConnection, ModelContract
 from lit_packing.cost import model_shape
@@ -58,12 +58,22 @@ from lit_packing.models.memory import (
 from lit_packing.models.mixers import MixerChoice
 from lit_packing.models.optim import lr_schedule, parameter_groups
 from lit_packing.models.selftest import check_isolation
+from lit_packing.models.sharding import (
+    TENSOR_PARALLEL,
+    is_sharded,
+    local_tensor,
+    shard_count,
+    shard_model,
+    sync_gradients,
+)
 from lit_packing.models.weights import apply_umask, check_finite_weights, describe_model, weights_mismatch
 
 log = logging.getLogger(__name__)
 
-# The strategies whose gradient reduction this loss is tested under (each averages gradients over ranks).
-TESTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy")
+# The strategies whose gradient reduction this loss is tested under: DDP and FSDP1 average gradients over ranks;
+# ModelParallelStrategy (FSDP2, `configure_model`) is set to sum them (`sharding.shard_model`).
+TESTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "ModelParallelStrategy")
+SUMMING_STRATEGIES = ("ModelParallelStrategy",)
 Schedule = Literal["cosine", "linear", "constant"]
 NonFinite = Literal["error", "skip"]
 SAMPLE_ROWS = 8  # source rows named when a step fails
@@ -208,7 +218,13 @@ class PackedCausalLM(LightningModule):
             raise ConfigError(
                 "trainer.strategy",
                 f"{strategy} is not supported: the loss normalisation is tested under {', '.join(TESTED_STRATEGIES)}",
-                "use auto, ddp or fsdp",
+                "use auto, ddp, ModelParallelStrategy (FSDP2) or fsdp (FSDP1, CUDA GPUs only)",
+            )
+        if strategy == "FSDPStrategy" and self.trainer.strategy.root_device.type != "cuda":
+            raise ConfigError(
+                "trainer.strategy",
+                "fsdp (Lightning's FSDPStrategy, FSDP1) runs on CUDA GPUs only",
+                "shard with trainer.strategy=ModelParallelStrategy (FSDP2: configs/fsdp2.yaml), or use ddp",
             )
         device = self.trainer.strategy.root_device
         with _named_model_settings():
@@ -231,6 +247,33 @@ class PackedCausalLM(LightningModule):
             # The decoder, which both the loss (hidden states) and `forward` (logits) run through.
             self.hf_model.base_model.compile(dynamic=None)
             self._compiled = True
+
+    def configure_model(self) -> None:
+        """Under `ModelParallelStrategy`: shard every decoder layer, then the root, with FSDP2 over the strategy's
+        data-parallel mesh (`sharding.shard_model`); with any other strategy nothing (Lightning wraps the model)."""
+        mesh = getattr(self, "_device_mesh", None)  # set by ModelParallelStrategy only
+        if mesh is None or is_sharded(self.model):
+            return
+        if mesh[TENSOR_PARALLEL].size() > 1:
+            raise ConfigError(
+                "trainer.strategy.init_args.tensor_parallel_size",
+                f"{mesh[TENSOR_PARALLEL].size()} is not supported yet: packed rows are sharded over data-parallel "
+                "ranks only (FSDP2)",
+                "set tensor_parallel_size=1 and data_parallel_size to the world size",
+            )
+        if self.hparams.model_config is not None:
+            self._broadcast_initial_weights()
+        plan = shard_model(self.model, mesh, str(self.trainer.precision))
+        log.info(
+            "FSDP2: %d %s layers and the root sharded over %d data-parallel ranks",
+            len(plan.layers), plan.layer_class, shard_count(mesh),
+        )  # fmt: skip
+
+    def _broadcast_initial_weights(self) -> None:
+        """A random init is rank 0's on every rank (as DDP does at wrap), so that each rank's shard is of one model."""
+        with torch.no_grad():
+            for tensor in [*self.model.parameters(), *self.model.buffers()]:
+                torch.distributed.broadcast(tensor.data, src=0)
 
     def _check_token_ids(self) -> None:
         """Refuse data whose token ids fall outside the embedding table (once, from the data's max id)."""
@@ -334,6 +377,7 @@ class PackedCausalLM(LightningModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_rows.extend(batch.get(ROWS, ()))
+        sync_gradients(self.model, last=not accumulates(self.trainer))  # FSDP2: reduce-scatter on the last only
         # Every rank runs it on its first packed batch, an empty pack included: the same number of forwards on
         # every rank (see `sample_packed`), so a sharded model's collectives stay matched and nothing hangs.
         if self._isolation_pending and is_packed(batch):
@@ -368,9 +412,10 @@ class PackedCausalLM(LightningModule):
         local = torch.stack([parts.token_loss_sum.detach(), parts.label_tokens.detach()])
         local = local.to(_accumulator_dtype(local.device))
         self._step_totals = local if self._step_totals is None else self._step_totals + local
-        # Lightning divides by accumulate_grad_batches and data parallelism averages over ranks: undo both, so
-        # the step's gradient is sum(objective) / normalizer over every micro-batch on every rank.
-        factor = self.trainer.world_size * self.trainer.accumulate_grad_batches
+        # Lightning divides by accumulate_grad_batches and DDP averages over ranks: undo both, so the step's
+        # gradient is sum(objective) / normalizer over every micro-batch on every rank. FSDP2 sums (shard_model).
+        ranks = 1 if type(self.trainer.strategy).__name__ in SUMMING_STRATEGIES else self.trainer.world_size
+        factor = ranks * self.trainer.accumulate_grad_batches
         return parts.objective * (factor / normalizer)
 
     def _step_normalizer(self, batch: Mapping[str, Any], parts) -> int | torch.Tensor:
@@ -405,7 +450,7 @@ class PackedCausalLM(LightningModule):
         """Whether this optimizer step's loss and gradients are finite (one host sync); if not, raise a
         `TrainingError` (`nonfinite=error`) or drop every gradient so the optimizer skips the step (`skip`)."""
         rows, self._step_rows = self._step_rows, []
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in self.parameters() if p.grad is not None]  # a shard each, sharded
         # Under fp16 the GradScaler itself skips steps with inf gradients (and lowers its scale): check the loss only.
         check_grads = grads and str(self.trainer.precision) != "16-mixed"
         norms = foreach_norm(grads) if check_grads else []

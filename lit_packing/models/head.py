@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from lit_packing.batch import INPUT_IDS, model_inputs
 from lit_packing.errors import ConfigError
@@ -30,7 +31,10 @@ def head_inputs(
     """The final hidden states of a batch with the LM head, for a loss that never builds the (T, V) logits.
     `model` is the trained module (a peft model runs its adapters); its transformers model supplies the head."""
     hf = _base(model)
-    hidden = hf.base_model(**model_inputs(batch), use_cache=False).last_hidden_state  # (B, T, H)
+    if isinstance(model, FSDPModule):
+        hidden = _sharded_hidden_states(model, hf, batch)
+    else:
+        hidden = hf.base_model(**model_inputs(batch), use_cache=False).last_hidden_state  # (B, T, H)
     config = hf.config.get_text_config()
     return HeadInputs(
         hidden,
@@ -39,6 +43,20 @@ def head_inputs(
         chunk_size=chunk_size,
         impl=impl,
     )
+
+
+def _sharded_hidden_states(model: torch.nn.Module, hf: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """The decoder's last hidden states (B, T, H) of an FSDP2-sharded model, through the root's own forward: FSDP2
+    gathers the root's parameters (embeddings, final norm, LM head) in the root's forward hook only, and keeps them
+    gathered until the backward, so the head the loss then runs chunk by chunk holds its whole weight. The forward
+    builds the logits of one position (`logits_to_keep=1`), not the (T, V) logits."""
+    found: list[torch.Tensor] = []
+    handle = hf.base_model.register_forward_hook(lambda module, args, out: found.append(out.last_hidden_state))
+    try:
+        model(**model_inputs(batch), use_cache=False, logits_to_keep=1)
+    finally:
+        handle.remove()
+    return found[0]
 
 
 @torch.no_grad()

@@ -1,0 +1,136 @@
+"""FSDP2 for a packed model: `fully_shard` each decoder layer, then the root, on a device mesh's data-parallel dim.
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    shard_model(model, mesh, precision="bf16-mixed")   # in place; PackedCausalLM.configure_model does this
+    sync_gradients(model, last=False)                   # a micro-batch that accumulates: no reduce-scatter
+
+Layers are the model's own `_no_split_modules` classes (what transformers names as the unit never to split), so
+each decoder layer is one all-gather in the forward and one reduce-scatter in the backward; the root group holds
+what is left (embeddings, final norm, the LM head). The gradient reduction is a plain sum over the data-parallel
+ranks (`set_gradient_divide_factor(1)`, sum-only collectives): the loss is already divided by the optimizer step's
+global label count, so a sum is the step's gradient, set explicitly rather than left to the backend's default
+(FSDP2 over gloo has been reported to sum where NCCL averages).
+
+Mixed precision follows the trainer's precision: `bf16-mixed` gathers bf16 parameters and reduces gradients in
+fp32 (`16-mixed` likewise with fp16); the sharded parameters and the optimizer state stay in their own dtype.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from lit_packing.errors import ConfigError
+
+DATA_PARALLEL = "data_parallel"  # Lightning's ModelParallelStrategy names its mesh dims so
+TENSOR_PARALLEL = "tensor_parallel"
+# Trainer precision -> the dtype FSDP2 gathers parameters in (gradients are reduced in fp32 whenever it is set).
+PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+class ShardPlan(NamedTuple):
+    """What `shard_model` wraps: each decoder layer (by qualified name), then the root."""
+
+    layers: list[str]
+    layer_class: str
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """The FSDP2 policy for a trainer precision: `bf16-mixed` -> bf16 parameters, fp32 gradient reduction;
+    `16-mixed` -> fp16 and fp32; true precisions (`32-true`, `bf16-true`, `64-true`) -> the parameters' own dtype.
+
+    >>> policy = mixed_precision_policy("bf16-mixed")
+    >>> policy.param_dtype, policy.reduce_dtype
+    (torch.bfloat16, torch.float32)
+    >>> mixed_precision_policy("32-true").param_dtype is None
+    True
+    """
+    dtype = PARAM_DTYPES.get(str(precision))
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None)
+
+
+def shard_plan(model: torch.nn.Module) -> ShardPlan:
+    """The decoder layers `shard_model` wraps one by one: the modules whose class the transformers model names in
+    `_no_split_modules`, outermost first.
+
+    Raises:
+        ConfigError: the model names no such class, or none of its modules is one (naming the model).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    layers = [name for name, module in base.named_modules() if type(module).__name__ in names]
+    # A layer inside another listed layer is sharded with it.
+    outer = [name for name in layers if not any(name.startswith(other + ".") for other in layers)]
+    if not outer:
+        raise ConfigError(
+            "trainer.strategy",
+            f"{type(base).__name__} names no decoder layer class (`_no_split_modules`) to shard layer by layer",
+            "train it with trainer.strategy=ddp",
+        )
+    return ShardPlan(outer, type(base.get_submodule(outer[0])).__name__)
+
+
+def shard_model(
+    model: torch.nn.Module, mesh: DeviceMesh, precision: str, reshard_after_forward: bool = True
+) -> ShardPlan:
+    """`fully_shard` every decoder layer of `model` (`shard_plan`), then the root, over `mesh`'s data-parallel
+    dim, in place; gradients reduced as a sum (see the module docstring). Returns the plan it applied.
+
+    Args:
+        model: the transformers model (or a peft model around one) on its device or on the host.
+        mesh: Lightning's `ModelParallelStrategy.device_mesh` (dims `data_parallel`, `tensor_parallel`), or a 1-D
+            mesh of the data-parallel ranks.
+        precision: the trainer's precision (`mixed_precision_policy`).
+        reshard_after_forward: free each decoder layer's gathered parameters after its forward (gathered again
+            in the backward): memory of one layer's parameters at a time instead of all of them, for one more
+            all-gather per layer.
+    """
+    plan = shard_plan(model)
+    dp_mesh = data_parallel_mesh(mesh)
+    policy = mixed_precision_policy(precision)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for name in plan.layers:
+        fully_shard(
+            base.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy
+        )
+    # The root is left to FSDP2's own rule (None: kept gathered from its forward to its backward), so that the LM
+    # head the chunked loss runs after the forward (`head.head_inputs`) holds its whole weight.
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=None, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return plan
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel sub-mesh of Lightning's 2-D mesh (a 1-D mesh is taken as it is)."""
+    names = mesh.mesh_dim_names or ()
+    return mesh[DATA_PARALLEL] if DATA_PARALLEL in names and mesh.ndim > 1 else mesh
+
+
+def shard_count(mesh: DeviceMesh | None) -> int:
+    """Over how many ranks each parameter, its gradient and its optimizer state are split (1 without a mesh)."""
+    return 1 if mesh is None else data_parallel_mesh(mesh).size()
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def sync_gradients(model: torch.nn.Module, last: bool) -> None:
+    """Before a micro-batch's backward: reduce-scatter its gradients only when it is the optimizer step's last
+    (`last`); the others accumulate unsharded gradients locally, as DDP's `no_sync` does. Lightning's loop does not
+    do this for FSDP2 itself. A no-op for a model `shard_model` did not wrap."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(last)
+        model.set_is_last_backward(last)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (DTensor) parameter or gradient; a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

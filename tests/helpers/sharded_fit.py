@@ -1,0 +1,122 @@
+"""One fit of the tiny Llama on fixed packs, as a script, for the multi-process tests of sharded training.
+
+    python tests/helpers/sharded_fit.py '{"strategy": "fsdp2", "devices": 2, "out": "/tmp/fsdp2.pt"}'
+
+Every run trains the same micro-batches (`micro_batches`): `STEPS` optimizer steps of 4 micro-batches each, the
+second and fourth of a step much longer than the first and third, so that with 2 ranks (rank 0 trains the first and
+third, rank 1 the second and fourth; accumulation 2) rank 1 holds ~5x rank 0's label tokens. One
+process accumulating 4 trains the same steps. Rank 0 writes {"losses", "grad_norms", "reduce_scatters",
+"weights"} to `out`: the per-step logged loss, the step's global gradient norm before clipping, FSDP2's
+reduce-scatter calls per step, and the final full weights.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.utils.data import DataLoader
+
+from lit_packing._compat import accumulates
+from lit_packing.batch import attach_step
+from lit_packing.data.collate import PackedCollator
+from lit_packing.models import PackedCausalLM
+from lit_packing.models.sharding import local_tensor
+from tests.helpers import TINY_LLAMA, make_examples
+
+STEPS = 3
+# Per optimizer step, 4 micro-batches of examples: short, long, short, long (rank 0 gets the short ones).
+MICRO_BATCH_LENGTHS = [[5, 9], [31, 40, 22], [7, 4], [28, 35, 30]]
+RUN = dict(lr=1e-2, warmup_steps=0, scheduler="constant", weight_decay=0.1)
+CLIP = 0.5  # below every step's gradient norm, so clipping acts on each step
+
+
+def micro_batches() -> list[dict]:
+    """`STEPS` x 4 packed micro-batches, each carrying its optimizer step's global totals."""
+    out = []
+    for step in range(STEPS):
+        groups = [make_examples(lengths, seed=100 * step + i) for i, lengths in enumerate(MICRO_BATCH_LENGTHS)]
+        out += attach_step([PackedCollator()(group) for group in groups])
+    return out
+
+
+class Recorder(Callback):
+    """Per optimizer step: the logged loss, the global gradient norm (before clipping) and the reduce-scatters since
+    the last step."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+        self.reduce_scatters: list[int] = []
+        self.calls = 0
+        self._reduce_scatter = dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single") else None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self._reduce_scatter is None:
+            return
+        original = self._reduce_scatter
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        dist.reduce_scatter_single = counted  # FSDP2's default ReduceScatter calls it by this name
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        local = sum(local_tensor(p.grad).double().pow(2).sum() for p in pl_module.parameters() if p.grad is not None)
+        total = trainer.strategy.reduce(local, reduce_op="sum") if trainer.world_size > 1 else local
+        self.grad_norms.append(float(total.sqrt()))
+        self.reduce_scatters.append(self.calls)
+        self.calls = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not accumulates(trainer):  # `train/loss` was logged before this micro-batch's optimizer step
+            self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+
+def full_weights(lm: PackedCausalLM) -> dict[str, torch.Tensor]:
+    """Every trainable weight, whole, on rank 0 (a collective when sharded)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    names = {n for n, p in lm.model.named_parameters() if p.requires_grad}
+    if dist.is_initialized():
+        state = get_model_state_dict(lm.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = lm.model.state_dict()
+    return {n: t.detach().clone() for n, t in state.items() if n in names}
+
+
+def main(settings: dict) -> None:
+    devices = settings.get("devices", 1)
+    kind = settings.get("strategy", "auto")
+    strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1) if kind == "fsdp2" else kind
+    torch.manual_seed(0)
+    lm = PackedCausalLM(
+        model_config=TINY_LLAMA, lora=settings.get("lora"),
+        gradient_checkpointing=settings.get("gradient_checkpointing", False), **RUN,
+    )  # fmt: skip
+    recorder = Recorder()
+    trainer = Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=4 // devices,
+        gradient_clip_val=settings.get("clip", CLIP), precision="32-true", callbacks=[recorder],
+        use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, log_every_n_steps=1,
+    )  # fmt: skip
+    # Each rank's own micro-batches (no distributed sampler): rank r trains micro-batches r and r + 2 of a step.
+    mine = micro_batches()[trainer.global_rank :: trainer.world_size]
+    trainer.fit(lm, DataLoader(mine, batch_size=None, collate_fn=lambda b: b))
+    weights = full_weights(lm)
+    if trainer.is_global_zero:
+        torch.save(
+            {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "reduce_scatters": recorder.reduce_scatters,
+             "weights": weights},
+            settings["out"],
+        )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
