@@ -35,7 +35,7 @@ from lit_packing.batch import COUNTS
 from lit_packing.cli import cli_main
 from lit_packing.cost import SMOLLM2_135M_SHAPE, flop_coefficients
 from lit_packing.data import PackingDataModule
-from lit_packing.data.stream import Mixer, MixerState
+from lit_packing.data.stream import Interleaver, InterleaveState
 from lit_packing.samplers import (
     BestFitPackingSampler,
     FixedLengthPackingSampler,
@@ -251,9 +251,9 @@ def configured_data(config: str | Path | list[str | Path], overrides: list[str])
 def stream_lengths(data: PackingDataModule, examples: int) -> np.ndarray:
     """(n,) token counts of the stream's first `examples` examples (or all it has), in its order, tokenized as
     training tokenizes them."""
-    mixer = Mixer(data.stream, epoch=0, state=MixerState.start(len(data.stream.members)))
+    interleaver = Interleaver(data.stream, epoch=0, state=InterleaveState.start(len(data.stream.members)))
     lengths: list[np.ndarray] = []
-    while sum(map(len, lengths)) < examples and (window := mixer.window(len(lengths))) is not None:
+    while sum(map(len, lengths)) < examples and (window := interleaver.window(len(lengths))) is not None:
         lengths.append(window.lengths)
     return np.concatenate(lengths)[:examples] if lengths else np.zeros(0, dtype=np.int64)
 

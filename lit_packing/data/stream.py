@@ -7,7 +7,7 @@ Nothing is tokenized ahead of training. One epoch of the stream, the same on eve
 1. Each source's shards in a seeded order (`seed`, epoch, source, pass), read in chunks of `buffer_size` rows. The
    DataLoader workers tokenize the chunks with the cached path's rules and counts (worker `w` of `W` takes chunks
    `w, w + W, ...`; the loader hands them back in order), so only whole chunks cross a process boundary.
-2. The mixer (this process) takes the examples, one at a time, from the source furthest below its share of the
+2. The interleaver (this process) takes the examples, one at a time, from the source furthest below its share of the
    trained tokens (`Mixture` weights; a single source has weight 1): a deterministic largest-deficit rule, so every
    window follows the weights to within one example. `buffer_size` examples make a window.
 3. The configured sampler plans the window exactly as it plans an epoch of the cached path (seeded by the seed,
@@ -17,14 +17,14 @@ Nothing is tokenized ahead of training. One epoch of the stream, the same on eve
    windows and nearly no micro-batch is empty, whatever the global batch.
 4. Each micro-batch is collated from the window's examples.
 
-The position a checkpoint keeps (`StreamLoader.state_dict`): the epoch, the window, the mixer's state at the
+The position a checkpoint keeps (`StreamLoader.state_dict`): the epoch, the window, the interleaver's state at the
 window's start (each source's pass, rows read and tokens taken), the examples carried into it, and the window
 sampler's trained micro-batches; never what the workers prefetched, nothing rank-local. A resume re-reads the
 window from the sources' positions, plans it again (the same window, the same plan) and continues: exactly, or on
 another layout by re-dealing the window's untrained packs (`PlannedBatchSampler.load_state_dict`), every example
 still once.
 
-One module, read whole: the four steps above and the position a checkpoint keeps are one mechanism (the mixer's
+One module, read whole: the four steps above and the position a checkpoint keeps are one mechanism (the interleaver's
 state is what a resume re-reads the window from; the carried examples are what the loader's plan leaves over), so a
 change to one step is checked against the others here. The data module's use of it is in `stream_feed`.
 """
@@ -275,8 +275,8 @@ class Window:
 
 
 @dataclass
-class MixerState:
-    """Where the mixer stands, per source: its pass, the training rows read in it, what it has been given."""
+class InterleaveState:
+    """Where the interleaver stands, per source: its pass, the training rows read in it, what it has been given."""
 
     passes: list[int]
     read: list[int]
@@ -284,22 +284,22 @@ class MixerState:
     done: list[bool]  # read through at least once this epoch (`repeat`)
 
     @classmethod
-    def start(cls, n: int) -> MixerState:
+    def start(cls, n: int) -> InterleaveState:
         return cls([0] * n, [0] * n, [0.0] * n, [False] * n)
 
-    def copy(self) -> MixerState:
-        return MixerState(list(self.passes), list(self.read), list(self.taken), list(self.done))
+    def copy(self) -> InterleaveState:
+        return InterleaveState(list(self.passes), list(self.read), list(self.taken), list(self.done))
 
     def as_dict(self) -> dict[str, list]:
         return {"passes": self.passes, "read": self.read, "taken": self.taken, "done": self.done}
 
 
-class Mixer:
+class Interleaver:
     """Examples of the sources, one at a time, from the source furthest below its share of what was given so far
     (`weight_by`: real tokens or examples); windows of `size` examples. Reads each source's chunks through its own
     DataLoader (tokenized in `num_workers` processes)."""
 
-    def __init__(self, stream: Stream, epoch: int, state: MixerState) -> None:
+    def __init__(self, stream: Stream, epoch: int, state: InterleaveState) -> None:
         self.stream, self.epoch, self.state = stream, epoch, state
         n = len(stream.members)
         total = sum(m.weight for m in stream.members)
@@ -444,14 +444,14 @@ def _named(message: str, name_example: Callable[[int], str]) -> str:
 @dataclass
 class _Record:
     """A window this rank yielded: where its micro-batches start (in the epoch's count), how many, its sampler,
-    the mixer's state at its start and end, the optimizer steps of the epoch before it."""
+    the interleaver's state at its start and end, the optimizer steps of the epoch before it."""
 
     number: int
     start: int
     micro_batches: int
     sampler: PlannedBatchSampler
-    state_start: MixerState
-    state_end: MixerState
+    state_start: InterleaveState
+    state_end: InterleaveState
     steps_before: int
     carried_start: Carried
     carried_end: Carried
@@ -536,7 +536,7 @@ class StreamLoader:
         self._resume: dict[str, Any] | None = None
         self.resumed_at: int | None = None
         self.restored: str | None = None
-        self.mixer: Mixer | None = None
+        self.interleaver: Interleaver | None = None
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
@@ -548,24 +548,24 @@ class StreamLoader:
         # A restored position holds until a pass completes: Lightning may start (and prefetch from) an iterator that
         # it then throws away, and the next one must start at the same position.
         resume = self._resume
-        state = MixerState.start(len(self.stream.members))
+        state = InterleaveState.start(len(self.stream.members))
         number, steps_before, sampler_state = 0, 0, None
         if resume is not None:
-            state = MixerState(**{name: list(values) for name, values in resume["mixer"].items()})
+            state = InterleaveState(**{name: list(values) for name, values in _interleave_state(resume).items()})
             number, steps_before, sampler_state = resume["window"], resume["steps_before"], resume["sampler"]
         carried = Carried(**{k: list(v) for k, v in resume["carried"].items()}) if resume is not None else Carried()
         self._records = []
-        self.mixer = Mixer(self.stream, self.epoch, state)
+        self.interleaver = Interleaver(self.stream, self.epoch, state)
         return self._batches(number, steps_before, sampler_state, carried)
 
     def _batches(
         self, number: int, steps_before: int, sampler_state: dict | None, carried: Carried
     ) -> Iterator[dict[str, Any]]:
-        mixer = self.mixer
+        interleaver = self.interleaver
         accumulate = self.layout().accumulate
         while True:
-            state_start, carried_start = mixer.state.copy(), carried
-            window = mixer.window(number, carried)
+            state_start, carried_start = interleaver.state.copy(), carried
+            window = interleaver.window(number, carried)
             if window is None:
                 break
             sampler = self.make_sampler(window)
@@ -575,11 +575,11 @@ class StreamLoader:
                 sampler_state = None
             total, trailing = sampler.full_steps()
             slices = sampler.plan().items.ndim > 1  # token slices of examples: not carried, but completed
-            if mixer.finished or slices or not trailing:  # the epoch's last window trains all it holds
+            if interleaver.finished or slices or not trailing:  # the epoch's last window trains all it holds
                 total, trailing = -(-len(sampler) // accumulate) * accumulate, []
             carried = Carried.of(window, trailing)
             start = steps_before * accumulate  # the window's first micro-batch, in the epoch's count
-            record = _Record(number, start, total, sampler, state_start, mixer.state.copy(), steps_before,
+            record = _Record(number, start, total, sampler, state_start, interleaver.state.copy(), steps_before,
                              carried_start, carried)  # fmt: skip
             self._records = [*self._records[-3:], record]
             plan = sampler.plan()
@@ -593,8 +593,8 @@ class StreamLoader:
                 if pack is None:  # complete the window's last optimizer step with empty packs
                     pack = Pack([], step=step)
                 step, position = pack.step, position + 1
-                rows, seconds = mixer.tokenized
-                fill["waited_s"] = mixer.waited
+                rows, seconds = interleaver.tokenized
+                fill["waited_s"] = interleaver.waited
                 fill["examples_per_sec"] = rows / max(seconds, 1e-9) * max(self.stream.num_workers, 1)
                 yield self._collate(window, pack, fill)
             steps_before += total // accumulate
@@ -613,7 +613,7 @@ class StreamLoader:
 
     def state_dict(self, steps_done: int | None = None) -> dict[str, Any]:
         """The trained position: the window holding micro-batch `steps_done` of the epoch (Lightning's count of
-        trained micro-batches), the mixer's state at its start, the window sampler's position in it.
+        trained micro-batches), the interleaver's state at its start, the window sampler's position in it.
 
         Without `steps_done` (Lightning asking its loader, which it takes as resumable for having this method): {},
         since only the trained count makes a position; the data module saves the one copy, with that count.
@@ -627,7 +627,7 @@ class StreamLoader:
         base = {"epoch": self.epoch, "identity": identity, "world_size": world_size, "accumulate": accumulate}
         if not self._records:
             return {**base, "window": 0, "steps_before": 0, "sampler": None, "carried": Carried().as_dict(),
-                    "mixer": MixerState.start(len(self.stream.members)).as_dict()}  # fmt: skip
+                    "interleaver": InterleaveState.start(len(self.stream.members)).as_dict()}  # fmt: skip
         trained = steps_done
         for record in self._records:
             if record.start <= trained < record.start + record.micro_batches:
@@ -637,9 +637,10 @@ class StreamLoader:
                     inside = inside // accumulate * accumulate
                 return {**base, "window": record.number, "steps_before": record.steps_before,
                         "sampler": record.sampler.state_dict(steps_done=inside),
-                        "mixer": record.state_start.as_dict(), "carried": record.carried_start.as_dict()}  # fmt: skip
+                        "interleaver": record.state_start.as_dict(),
+                        "carried": record.carried_start.as_dict()}  # fmt: skip
         last = self._records[-1]
-        return {**base, "window": last.number + 1, "sampler": None, "mixer": last.state_end.as_dict(),
+        return {**base, "window": last.number + 1, "sampler": None, "interleaver": last.state_end.as_dict(),
                 "carried": last.carried_end.as_dict(),
                 "steps_before": last.steps_before + last.micro_batches // self.layout().accumulate}  # fmt: skip
 
@@ -672,7 +673,7 @@ class StreamLoader:
         self.resumed_at = int(state["steps_before"]) * accumulate + inside
         self.restored = (
             f"epoch {self.epoch}, window {state['window']:,} of the stream, micro-batch {inside:,} of it "
-            f"(sources read: {', '.join(f'{r:,}' for r in state['mixer']['read'])} rows)"
+            f"(sources read: {', '.join(f'{r:,}' for r in _interleave_state(state)['read'])} rows)"
         )
 
     def __len__(self) -> int:
@@ -707,3 +708,8 @@ def held_out(source: Source, count_: int, cache_dir: str | None = None) -> HeldO
             left -= len(taken)
         held.append(per_shard)
     return HeldOut(held, rows, ids)
+
+
+def _interleave_state(position: dict) -> dict:
+    """The interleaver's state in a saved position (named `mixer` by checkpoints of earlier releases)."""
+    return position["interleaver"] if "interleaver" in position else position["mixer"]

@@ -9,7 +9,7 @@ import pytest
 
 from lit_packing.batch import INDEX, INPUT_IDS, LABELS, TRUNCATED_TOKENS
 from lit_packing.data import ChampChats
-from lit_packing.data.stream import Mixer, MixerState, Stream, TokenizeRules
+from lit_packing.data.stream import Interleaver, InterleaveState, Stream, TokenizeRules
 from lit_packing.data.tokenize import TokenizedDataset, tokenize_dataset
 
 EXAMPLES, MAX_LENGTH = 24, 512  # the first rows of CHAMP's chats (configs/quickstart.yaml's source)
@@ -22,15 +22,15 @@ def both(tmp_path_factory, smollm2_tokenizer):
     rules = TokenizeRules(smollm2_tokenizer, MAX_LENGTH, "truncate", "completion", "error")
     stream = Stream(source, rules, buffer_size=EXAMPLES, seed=0, cache_dir=cache, limit=EXAMPLES)
     assert len(stream.rows[0].shards) == 1  # one shard: an example's id is its row, as the cached index is
-    mixer = Mixer(stream, epoch=0, state=MixerState.start(1))
-    window = mixer.window(0)
-    assert mixer.window(1) is None  # the limit's rows make one window
+    interleaver = Interleaver(stream, epoch=0, state=InterleaveState.start(1))
+    window = interleaver.window(0)
+    assert interleaver.window(1) is None  # the limit's rows make one window
     rows = np.arange(EXAMPLES)
     tokenized, report = tokenize_dataset(
         source.load(cache_dir=cache).select(rows), smollm2_tokenizer, MAX_LENGTH, "truncate", "completion",
         rows=rows, row_name=source.row_name,
     )  # fmt: skip
-    return TokenizedDataset(tokenized), window, report, mixer.report
+    return TokenizedDataset(tokenized), window, report, interleaver.report
 
 
 def equal_items(a: dict, b: dict) -> bool:

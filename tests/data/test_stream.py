@@ -12,7 +12,15 @@ import pytest
 from lit_packing.batch import INPUT_IDS, LABELS, ROWS, SOURCE_TOKENS
 from lit_packing.data import Chatterbot, HFDataset, HumanEval, Mixture, PackedCollator, PackingDataModule
 from lit_packing.data.global_batch import Layout
-from lit_packing.data.stream import Mixer, MixerState, Stream, StreamLoader, TokenizeRules, example_id, split_id
+from lit_packing.data.stream import (
+    Interleaver,
+    InterleaveState,
+    Stream,
+    StreamLoader,
+    TokenizeRules,
+    example_id,
+    split_id,
+)
 from lit_packing.errors import ConfigError, DataError
 from lit_packing.samplers import BestFitPackingSampler, MultipackSampler, RunContext
 
@@ -48,12 +56,14 @@ def test_the_stream_holds_the_cached_paths_examples(tokenizer, tmp_path):
     cached.setup("fit")
     table = cached.train_dataset.dataset.with_format(None)
     expected = Counter((tuple(x), tuple(y)) for x, y in zip(table[INPUT_IDS], table[LABELS]))
-    mixer = Mixer(stream_of(Chatterbot(), tokenizer, num_workers=2), epoch=0, state=MixerState.start(1))
+    interleaver = Interleaver(
+        stream_of(Chatterbot(), tokenizer, num_workers=2), epoch=0, state=InterleaveState.start(1)
+    )
     seen = Counter()
-    while (window := mixer.window(0)) is not None:
+    while (window := interleaver.window(0)) is not None:
         seen.update((tuple(x.tolist()), tuple(y.tolist())) for x, y in zip(window.tokens, window.labels))
     assert seen == expected
-    streamed, whole = mixer.report.as_dict(), cached.report.as_dict()
+    streamed, whole = interleaver.report.as_dict(), cached.report.as_dict()
     streamed.pop("duplicate_examples"), whole.pop("duplicate_examples")  # a stream counts them within a chunk
     assert streamed == whole
 
@@ -140,7 +150,7 @@ def test_a_bad_line_mid_stream_is_named_by_file_and_line(tokenizer, tmp_path):
         list(loader(stream_of(source, tokenizer, buffer_size=16)))
     skipping = loader(stream_of(source, tokenizer, buffer_size=16, on_bad_row="skip"))
     assert len(examples(list(skipping))) == 59
-    assert skipping.mixer.report.bad_examples == 1
+    assert skipping.interleaver.report.bad_examples == 1
 
 
 def test_a_position_of_another_stream_is_refused(tokenizer):
