@@ -24,6 +24,7 @@ DELTAS: dict[str, str] = {
     "fixed_packing_position_ids": "paper",
     "bestfit_packing": "paper",
     "multipack": "paper",
+    "fsdp2": "paper",
     "multinode": "gpu",
 }
 _NAME = re.compile(r"[\w.-]+")  # a bare name; anything else (a path, an inline YAML string) is left to jsonargparse

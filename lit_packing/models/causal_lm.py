@@ -197,6 +197,11 @@ class PackedCausalLM(LightningModule):
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
     @property
+    def shard_count(self) -> int:
+        """Over how many ranks the parameters, gradients and optimizer state are split (1 unless FSDP2 shards)."""
+        return shard_count(getattr(self, "_device_mesh", None)) if is_sharded(self.model) else 1
+
+    @property
     def contract(self) -> ModelContract:
         """What the data may know of this model: its shape, hence its cost coefficients (an example of L tokens
         costs `a * L + b * L^2` FLOPs, with which `MultipackSampler` balances ranks), and `largest_fitting`, with

@@ -14,7 +14,10 @@ more copy for the foreach temporaries). Activations are measured, not modelled: 
 short probes (64, 128, 256 tokens) records what autograd saves (`saved_tensors_hooks`), fitted as
 a + b * tokens + c * pairs (pairs: the attention cost, sum(L^2) packed, rows x width^2 padded), then scaled to the
 largest step.
-Gradient checkpointing keeps each layer's input plus one recomputed layer instead.
+Gradient checkpointing keeps each layer's input plus one recomputed layer instead. Sharded with FSDP2, parameters,
+gradients and AdamW's states count this rank's shard only (1/N of each over N data-parallel ranks), plus what is
+gathered whole at once: the root's parameters and two decoder layers' (`sharding.gathered_parameter_bytes`); the
+start-up line says so.
 
 The probes are what costs (3 forwards); `memory_model` runs them once and its `estimate(step)` is arithmetic, so
 choosing among many step sizes costs no more than one estimate. A step fits when its predicted peak is at most the
@@ -46,6 +49,7 @@ from lit_packing.batch import (
     StepShape,
 )
 from lit_packing.errors import StepMemoryError
+from lit_packing.models.sharding import gathered_parameter_bytes, is_sharded, local_tensor
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +77,15 @@ class MemoryEstimate:
     loss_impl: str
     gradient_checkpointing: bool
     limit: int
+    shards: int = 1
+    gathered: int = 0
 
     @property
     def peak(self) -> int:
         backward_start = self.activations + self.logits + self.head_gradient
         optimizer_step = 2 * self.gradients
-        return self.resident + self.optimizer + self.autocast_weights + max(backward_start, optimizer_step)
+        fixed = self.resident + self.optimizer + self.autocast_weights + self.gathered
+        return fixed + max(backward_start, optimizer_step)
 
     @property
     def capped(self) -> bool:
@@ -95,6 +102,12 @@ class MemoryEstimate:
             for name in ("resident", "optimizer", "autocast_weights", "activations", "logits", "gradients")
         )
         cap = f"; model.memory_limit_gb limits the whole process to {self.limit / GiB:.2f} GiB" if self.capped else ""
+        if self.shards > 1:
+            unsharded = (self.shards - 1) * (self.optimizer + 2 * self.gradients) / GiB  # states, grads, weights
+            parts += (
+                f", gathered whole {self.gathered / GiB:.2f} (FSDP2: parameters, gradients and optimizer state "
+                f"divided over {self.shards} shards, this rank's share; unsharded: {unsharded:.2f} more)"
+            )
         return (
             f"predicted peak memory {self.peak / GiB:.2f} GiB on {self.device} for the largest step "
             f"({self.step.describe()}): {parts} GiB; available beyond what is held now: {self.available / GiB:.2f} GiB"
@@ -167,6 +180,8 @@ class MemoryModel:
     loss_impl: str
     loss_chunk_size: int
     vocab_size: int
+    shards: int = 1
+    gathered: int = 0
 
     def estimate(self, step: StepShape) -> MemoryEstimate:
         """The predicted peak of training on `step` (see the module docstring), from the probes already run."""
@@ -196,6 +211,8 @@ class MemoryModel:
             loss_impl=self.loss_impl,
             gradient_checkpointing=self.gradient_checkpointing,
             limit=self.limit,
+            shards=self.shards,
+            gathered=self.gathered,
         )
 
 
@@ -291,12 +308,15 @@ def saved_activation_bytes(lm: Any, length: int, padded: bool) -> int:
     Runs in eval mode (no dropout; transformers only checkpoints layers in train mode, so this is the full
     activation memory) under the trainer's precision context.
     """
-    weights = {p.untyped_storage().data_ptr() for p in lm.parameters()}
+    weights = {local_tensor(p).untyped_storage().data_ptr() for p in lm.parameters()}
+    sharded = is_sharded(lm.model)
     seen: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights and tensor.device.type != "meta":
+        # Sharded, a layer's gathered parameters are its module's parameters while it runs: weights, not activations.
+        gathered = {p.untyped_storage().data_ptr() for p in lm.parameters() if p is local_tensor(p)} if sharded else ()
+        if storage.data_ptr() not in weights and storage.data_ptr() not in gathered and tensor.device.type != "meta":
             seen[storage.data_ptr()] = storage.nbytes()
         # Detached: a hook that returns a saved output itself ties it to its own graph node, a reference cycle
         # that outlives the forward (each probe's activations leaked, 0.3 GiB at 256 tokens on SmolLM2).
@@ -334,12 +354,15 @@ def memory_model(lm: Any, precision: str, padded: bool) -> MemoryModel:
     hf = lm.hf_model
     config = hf.config.get_text_config()
     device = lm.device
-    trainable = [p for p in lm.parameters() if p.requires_grad]
+    shards = lm.shard_count
+    # Sharded, each rank holds its shard of every parameter, gradient and optimizer state (`local_tensor`).
+    trainable = [local_tensor(p) for p in lm.parameters() if p.requires_grad]
     grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
     mixed = "mixed" in str(precision)
     half = 2 if mixed else 0
     fit = activation_model(lm, padded)
     head = hf.get_output_embeddings().weight
+    head_bytes = local_tensor(head).numel() * head.element_size()
     resident, available = resident_bytes(device), available_bytes(device)
     cap = lm.hparams.get("memory_limit_gb")
     return MemoryModel(
@@ -349,9 +372,9 @@ def memory_model(lm: Any, precision: str, padded: bool) -> MemoryModel:
         available=available,
         limit=resident + available if cap is None else min(resident + available, int(cap * GiB)),
         optimizer=2 * grad_bytes,  # exp_avg, exp_avg_sq
-        autocast_weights=half * sum(p.numel() for p in lm.parameters() if p.ndim == 2),
+        autocast_weights=half * sum(local_tensor(p).numel() for p in lm.parameters() if p.ndim == 2),
         gradients=grad_bytes,
-        head_gradient=head.numel() * head.element_size() if head.requires_grad else 0,
+        head_gradient=head_bytes if head.requires_grad else 0,
         activation_fit=tuple(float(x) for x in fit),
         layers=config.num_hidden_layers,
         layer_input_bytes=config.hidden_size * (2 if mixed else next(hf.parameters()).element_size()),
@@ -359,6 +382,8 @@ def memory_model(lm: Any, precision: str, padded: bool) -> MemoryModel:
         loss_impl=lm.hparams.loss_impl,
         loss_chunk_size=lm.hparams.loss_chunk_size,
         vocab_size=config.vocab_size,
+        shards=shards,
+        gathered=gathered_parameter_bytes(lm.model, "mixed" in str(precision)) if shards > 1 else 0,
     )
 
 

@@ -62,7 +62,8 @@ def shard_plan(model: torch.nn.Module) -> ShardPlan:
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(base, "_no_split_modules", None) or ())
-    layers = [name for name, module in base.named_modules() if type(module).__name__ in names]
+    # By class name along the MRO: a sharded layer's class is FSDP2's subclass of it (`FSDPLlamaDecoderLayer`).
+    layers = [name for name, module in base.named_modules() if names & {c.__name__ for c in type(module).__mro__}]
     # A layer inside another listed layer is sharded with it.
     outer = [name for name in layers if not any(name.startswith(other + ".") for other in layers)]
     if not outer:
@@ -71,7 +72,8 @@ def shard_plan(model: torch.nn.Module) -> ShardPlan:
             f"{type(base).__name__} names no decoder layer class (`_no_split_modules`) to shard layer by layer",
             "train it with trainer.strategy=ddp",
         )
-    return ShardPlan(outer, type(base.get_submodule(outer[0])).__name__)
+    layer_class = next(c.__name__ for c in type(base.get_submodule(outer[0])).__mro__ if c.__name__ in names)
+    return ShardPlan(outer, layer_class)
 
 
 def shard_model(
@@ -129,6 +131,29 @@ def sync_gradients(model: torch.nn.Module, last: bool) -> None:
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(last)
         model.set_is_last_backward(last)
+
+
+def gathered_parameter_bytes(model: torch.nn.Module, mixed: bool) -> int:
+    """What a sharded model holds whole at once beyond its shards: the root's parameters (embeddings, final norm, LM
+    head: gathered from the forward to the backward) and two decoder layers' (the one running and the one gathered
+    ahead of it), in the dtype they are gathered in (2 bytes under mixed precision).
+
+    >>> layer = torch.nn.Linear(4, 4, bias=False)            # 16 parameters
+    >>> model = torch.nn.Sequential(torch.nn.Embedding(10, 4), layer)
+    >>> model._no_split_modules = ["Linear"]
+    >>> gathered_parameter_bytes(model, mixed=False)          # 4 * (40 root + 2 * 16 layer)
+    288
+    """
+    plan = shard_plan(model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def size(params) -> int:
+        return sum(p.numel() * (2 if mixed and p.is_floating_point() else p.element_size()) for p in params)
+
+    layers = [size(base.get_submodule(name).parameters()) for name in plan.layers]
+    in_layers = {id(p) for name in plan.layers for p in base.get_submodule(name).parameters()}
+    root = size(p for p in model.parameters() if id(p) not in in_layers)
+    return root + 2 * max(layers)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
