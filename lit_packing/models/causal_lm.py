@@ -225,12 +225,6 @@ class PackedCausalLM(LightningModule):
                 f"{strategy} is not supported: the loss normalisation is tested under {', '.join(TESTED_STRATEGIES)}",
                 "use auto, ddp, ModelParallelStrategy (FSDP2) or fsdp (FSDP1, CUDA GPUs only)",
             )
-        if strategy == "FSDPStrategy" and self.trainer.strategy.root_device.type != "cuda":
-            raise ConfigError(
-                "trainer.strategy",
-                "fsdp (Lightning's FSDPStrategy, FSDP1) runs on CUDA GPUs only",
-                "shard with trainer.strategy=ModelParallelStrategy (FSDP2: configs/fsdp2.yaml), or use ddp",
-            )
         device = self.trainer.strategy.root_device
         with _named_model_settings():
             self.packing.to_device(self.model, device)
