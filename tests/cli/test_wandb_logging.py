@@ -75,7 +75,11 @@ def test_wandb_offline_run_logs_padding_ratio_and_effective_tokens_per_sec(tmp_p
         real_so_far += sum(lengths)
         expected_rate.append(real_so_far / (step * STEP_SECONDS))
 
-    wandb.finish()  # flush the offline run file, as the end of the process would
+    # The run file is written by W&B's own process (wandb-core), which flushes and closes it after `finish`
+    # returns, when the service ends the run's stream: under load a read right after `finish` saw it cut short (no
+    # `exit` record, the last step's history missing). `teardown` waits for that process, as the end of ours does.
+    wandb.finish()
+    wandb.teardown()
     run_file = next(tmp_path.rglob("run-*.wandb"))
     rows = [row for row in history(run_file) if "train/padding_ratio" in row]
     assert [row["train/padding_ratio"] for row in rows] == pytest.approx(expected_ratio)
