@@ -156,8 +156,12 @@ def attach_step(batches: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def item_label_tokens(batch: dict[str, Any]) -> list[int]:
-    """Label tokens of each example (packed: each `seq_idx` segment; padded: each row) of a collated batch."""
+    """Label tokens of each item (packed: each `seq_idx` segment, a preference pair's two together; padded: each
+    row) of a collated batch."""
     mask = batch[LABELS] != IGNORE_INDEX
+    if PAIRS in batch:
+        counts = torch.bincount(batch[SEQ_IDX][mask].long(), minlength=int(batch[SEQ_IDX].max()) + 1)
+        return counts[batch[PAIRS]].sum(dim=1).tolist()
     if SEQ_IDX in batch:
         return torch.bincount(batch[SEQ_IDX][mask].long()).tolist()
     return mask.sum(dim=1).tolist()

@@ -16,12 +16,13 @@ Lightning (a test checks it). docs/core.md runs a plain PyTorch loop and a Huggi
 """
 
 from lit_packing.batch import IGNORE_INDEX, MODEL_KEYS, attach_step, model_inputs
-from lit_packing.data.collate import PackedCollator, PaddedCollator
+from lit_packing.data.collate import PackedCollator, PaddedCollator, PairCollator
 from lit_packing.errors import ConfigError, DataError, IsolationError, LitPackingError
 from lit_packing.models.backends import BACKENDS
 from lit_packing.models.guard import check_packed_batch
 from lit_packing.models.loss import LossParts, causal_lm_loss
 from lit_packing.models.pack import Packing, pack_model
+from lit_packing.models.preference import PairLogps, PreferenceSettings, pair_logps, preference_loss
 from lit_packing.models.selftest import check_isolation
 from lit_packing.samplers import (
     BestFitPackingSampler,
@@ -50,6 +51,9 @@ __all__ = [
     "PackedCollator",
     "Packing",
     "PaddedCollator",
+    "PairCollator",
+    "PairLogps",
+    "PreferenceSettings",
     "RandomBatchSampler",
     "SequentialPackingSampler",
     "attach_step",
@@ -58,4 +62,6 @@ __all__ = [
     "check_packed_batch",
     "model_inputs",
     "pack_model",
+    "pair_logps",
+    "preference_loss",
 ]

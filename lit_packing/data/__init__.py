@@ -8,11 +8,11 @@ from importlib import import_module
 
 _HOMES = {
     "cached": ("split_rows",),
-    "collate": ("PackedCollator", "PaddedCollator"),
+    "collate": ("PackedCollator", "PaddedCollator", "PairCollator"),
     "datamodule": ("PackingDataModule",),
     "encode": ("DEFAULT_CHAT_TEMPLATE",),
     "mixture": ("Mixture",),
-    "packaged": ("ChampChats", "ChampProblems", "Chatterbot", "HumanEval", "StateOfTheUnion"),
+    "packaged": ("ChampChats", "ChampPairs", "ChampProblems", "Chatterbot", "HumanEval", "StateOfTheUnion"),
     "report": ("TokenizationReport",),
     "shapes": ("example_shape",),
     "shards": ("Shard",),

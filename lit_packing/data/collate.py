@@ -59,7 +59,7 @@ from lit_packing.batch import (
     attention_cost,
     batch_counts,
 )
-from lit_packing.errors import ConfigError
+from lit_packing.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     from lit_packing.samplers import PackPlan
@@ -181,6 +181,10 @@ class PackedCollator:
         return PlanSlots(slots, pairs, np.ones_like(slots), slots)
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        _refuse_pairs(examples, type(self).__name__)
+        return self._collate(examples)
+
+    def _collate(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         host = _host_entries(examples)
         examples = [ex for ex in examples if len(ex[INPUT_IDS]) > 0]
         ids = [_as_array(ex[INPUT_IDS]) for ex in examples]
@@ -229,6 +233,16 @@ class PackedCollator:
         }
 
 
+def _refuse_pairs(examples: list[dict[str, Any]], collator: str) -> None:
+    """Preference pairs given to a collator of single examples would train chosen and rejected as one sequence."""
+    if examples and CHOSEN_TOKENS in examples[0]:
+        raise DataError(
+            f"{collator} got preference pairs (prompt, chosen, rejected): it would train each pair as one sequence; "
+            "set data.collator=lit_packing.data.PairCollator and a preference objective (model.objective=dpo, ...): "
+            "configs/dpo.yaml"
+        )
+
+
 class PairCollator:
     """Preference pairs into one packed row: each pair's chosen and rejected sequences are two segments of it, and
     `pairs` (P, 2) names the segments of each pair, so the pair's identity is explicit per segment.
@@ -260,14 +274,19 @@ class PairCollator:
         host = _host_entries(pairs)
         sequences = []
         for pair in pairs:
+            if CHOSEN_TOKENS not in pair:
+                raise DataError(
+                    "PairCollator got an example that is no whole preference pair: the data needs prompt, chosen and "
+                    "rejected columns, and a sampler that keeps examples whole (not FixedLengthPackingSampler)"
+                )
             ids, labels, split = _as_array(pair[INPUT_IDS]), _as_array(pair[LABELS]), int(pair[CHOSEN_TOKENS])
             if not 0 < split < len(ids):
-                raise ValueError(f"a pair needs a chosen and a rejected sequence: chosen_tokens={split} of {len(ids)}")
+                raise DataError(f"a pair needs a chosen and a rejected sequence: chosen_tokens={split} of {len(ids)}")
             sequences += [
                 {INPUT_IDS: ids[:split], LABELS: labels[:split]},
                 {INPUT_IDS: ids[split:], LABELS: labels[split:]},
             ]
-        batch = self.packed(sequences)
+        batch = self.packed._collate(sequences)
         batch[PAIRS] = torch.arange(2 * len(pairs), dtype=torch.int64).view(len(pairs), 2)
         batch.update(host)
         return batch
@@ -299,6 +318,7 @@ class PaddedCollator:
         return PlanSlots(rows * width, rows * width**2, rows, width, padded=True)
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        _refuse_pairs(examples, type(self).__name__)
         host = _host_entries(examples)
         examples = [ex for ex in examples if len(ex[INPUT_IDS]) > 0]
         lengths = [len(ex[INPUT_IDS]) for ex in examples] or [0]

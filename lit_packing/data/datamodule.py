@@ -40,7 +40,7 @@ from lit_packing.assets import resolve_pretrained
 from lit_packing.batch import StepShape
 from lit_packing.contract import DataContract, ModelContract
 from lit_packing.data.cached import CachedFeed, check_val_split
-from lit_packing.data.collate import PackedCollator, PaddedCollator
+from lit_packing.data.collate import PackedCollator, PaddedCollator, PairCollator
 from lit_packing.data.feed import Feed, FeedSettings, data_loader, named_settings, pad_token_id, require
 from lit_packing.data.global_batch import (
     Accumulation,
@@ -124,8 +124,8 @@ class PackingDataModule(LightningDataModule):
         num_workers: int = 0,
         sampler: Callable[[np.ndarray], Sampler] = BestFitPackingSampler,
         val_sampler: Callable[[np.ndarray], Sampler] | None = None,
-        collator: Callable[[int], PackedCollator | PaddedCollator] = PackedCollator,
-        val_collator: Callable[[int], PackedCollator | PaddedCollator] | None = None,
+        collator: Callable[[int], PackedCollator | PaddedCollator | PairCollator] = PackedCollator,
+        val_collator: Callable[[int], PackedCollator | PaddedCollator | PairCollator] | None = None,
         cache_dir: str | None = None,
         num_proc: int | None = None,
         on_bad_row: OnBadRow = "error",

@@ -17,8 +17,8 @@ import numpy as np
 import xxhash
 from datasets import Features, List, Value
 
-from lit_packing.batch import IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, TRUNCATED_TOKENS
-from lit_packing.data.shapes import CHAT, LINE, PROBLEM, PROMPT_COMPLETION, example_problem
+from lit_packing.batch import CHOSEN_TOKENS, IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, TRUNCATED_TOKENS
+from lit_packing.data.shapes import CHAT, LINE, PREFERENCE, PROBLEM, PROMPT_COMPLETION, as_messages, example_problem
 from lit_packing.errors import ConfigError
 
 # Columns of the tokenized table besides the keys an example carries into a batch (`lit_packing.batch`: input_ids,
@@ -28,7 +28,8 @@ ROW = "row"  # the example's row as the user counts it: its line in a JSON Lines
 TOKEN_HASH = "token_hash"  # 64-bit XXH3 of the token ids: equal for duplicate examples
 LABEL_TOKENS = "label_tokens"  # trained tokens of the example (labels != -100, its first label masked)
 DROPPED = "dropped"  # "", "bad", "overlong" or "no_labels"
-OUTPUT_COLUMNS = [INPUT_IDS, LABELS, LENGTH, TRUNCATED_TOKENS, INDEX, LABEL_TOKENS, ROW, TOKEN_HASH]
+# A preference pair is one row: its chosen sequence's `chosen_tokens` tokens, then its rejected one's (0: not a pair).
+OUTPUT_COLUMNS = [INPUT_IDS, LABELS, LENGTH, TRUNCATED_TOKENS, INDEX, LABEL_TOKENS, ROW, TOKEN_HASH, CHOSEN_TOKENS]
 
 FEATURES = Features(
     {
@@ -40,6 +41,7 @@ FEATURES = Features(
         ROW: Value("int64"),
         TOKEN_HASH: Value("int64"),
         LABEL_TOKENS: Value("int32"),
+        CHOSEN_TOKENS: Value("int32"),
         DROPPED: Value("string"),
         PROBLEM: Value("string"),
     }
@@ -87,7 +89,7 @@ class Encoder:
         special = set(tokenizer.all_special_ids)
         special |= {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
         self.special_ids = np.array(sorted(special), dtype=np.int64)
-        if shape != CHAT and self.eos is None:
+        if shape not in (CHAT, PREFERENCE) and self.eos is None:
             raise ConfigError(
                 "data.tokenizer",
                 f"{tokenizer.name_or_path!r} has no eos_token to end {shape} examples with",
@@ -100,6 +102,34 @@ class Encoder:
         if self.shape == PROMPT_COMPLETION:
             return self._prompt_completions(batch["prompt"], batch["completion"])
         return self._texts(batch["text"])
+
+    def pairs(self, batch: dict[str, list], indices: list[int]) -> tuple[list, list, list[int]]:
+        """Preference pairs: each as its chosen conversation's ids then its rejected one's (prompt + side, through
+        the chat template), labels on the completion only, and the chosen sequence's token count."""
+        prompts = [as_messages(p, "user") for p in batch["prompt"]]
+        sides = {}
+        for side in ("chosen", "rejected"):
+            conversations = [p + as_messages(x, "assistant") for p, x in zip(prompts, batch[side])]
+            sides[side] = self._chats_completion(conversations, indices)
+        rendered = self._encode([self._render(p, add_generation_prompt=True) if p else "" for p in prompts])
+        prompt_tokens = [len(x) if p else 0 for p, x in zip(prompts, rendered[INPUT_IDS])]
+        (chosen_ids, chosen_labels), (rejected_ids, rejected_labels) = sides["chosen"], sides["rejected"]
+        ids, labels, splits = [], [], []
+        for k, n in enumerate(prompt_tokens):  # the prompt's tokens: the same in both, trained in neither
+            ids.append(list(chosen_ids[k]) + list(rejected_ids[k]))
+            labels.append(
+                [IGNORE_INDEX] * n + list(chosen_labels[k][n:]) + [IGNORE_INDEX] * n + list(rejected_labels[k][n:])
+            )
+            splits.append(len(chosen_ids[k]))
+        return ids, labels, splits
+
+    def _chats_completion(self, conversations: list[list[dict]], indices: list[int]) -> tuple[list, list]:
+        """`_chats` with assistant turns trained (what a pair's completion is), whatever `train_on` says."""
+        train_on, self.train_on = self.train_on, "completion"
+        try:
+            return self._chats(conversations, indices)
+        finally:
+            self.train_on = train_on
 
     def _encode(self, texts: list[str], **kwargs) -> Any:
         return self.tokenizer(texts, add_special_tokens=False, **kwargs)
@@ -189,6 +219,22 @@ def _fit(ids: list[int], labels: list[int], max_length: int, overlong: str) -> d
     return {**row, INPUT_IDS: ids, LABELS: labels, LENGTH: len(ids), TRUNCATED_TOKENS: cut, LABEL_TOKENS: trained}
 
 
+def _fit_pair(ids: list[int], labels: list[int], split: int, max_length: int, overlong: str) -> dict[str, Any]:
+    """A pair is one atom: longer than `max_length` it is dropped (or, `overlong=error`, refused), never cut; a
+    side without a trained token drops it (`no_labels`)."""
+    n = len(ids)
+    row = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, DROPPED: "", PROBLEM: "", INPUT_IDS: [], LABELS: [], LENGTH: n}
+    if n > max_length:
+        return {**row, DROPPED: "overlong", PROBLEM: f"{n:,} tokens (chosen and rejected together)", CHOSEN_TOKENS: 0}
+    labels = list(labels)
+    labels[0] = labels[split] = IGNORE_INDEX  # each sequence's first token predicts nothing
+    chosen = sum(label != IGNORE_INDEX for label in labels[:split])
+    rejected = sum(label != IGNORE_INDEX for label in labels[split:])
+    if not chosen or not rejected:
+        return {**row, DROPPED: "no_labels", CHOSEN_TOKENS: 0}
+    return {**row, INPUT_IDS: ids, LABELS: labels, LABEL_TOKENS: chosen + rejected, CHOSEN_TOKENS: split}
+
+
 def token_hash(ids: list[int]) -> int:
     """A signed 64-bit XXH3 of token ids (the `token_hash` column): equal ids, equal hash."""
     digest = xxhash.xxh3_64_intdigest(np.asarray(ids, dtype=np.int32).tobytes())
@@ -207,10 +253,15 @@ def tokenize_batch(
     examples = [{name: batch[name][k] for name in batch} for k in range(n)]
     problems = [ex.get(PROBLEM) or example_problem(encoder.shape, ex) for ex in examples]
     good = [k for k in range(n) if not problems[k]]
-    chosen = {name: [batch[name][k] for k in good] for name in batch}
-    ids, labels = encoder(chosen, [indices[k] for k in good]) if good else ([], [])
-    fitted = dict(zip(good, (_fit(list(x), list(y), max_length, overlong) for x, y in zip(ids, labels))))
-    bad = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, DROPPED: "bad", INPUT_IDS: [], LABELS: [], LENGTH: 0}
+    kept = {name: [batch[name][k] for k in good] for name in batch}
+    if encoder.shape == PREFERENCE:
+        ids, labels, splits = encoder.pairs(kept, [indices[k] for k in good]) if good else ([], [], [])
+        fits = (_fit_pair(x, y, k, max_length, overlong) for x, y, k in zip(ids, labels, splits))
+    else:
+        ids, labels = encoder(kept, [indices[k] for k in good]) if good else ([], [])
+        fits = ({**_fit(list(x), list(y), max_length, overlong), CHOSEN_TOKENS: 0} for x, y in zip(ids, labels))
+    fitted = dict(zip(good, fits))
+    bad = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, DROPPED: "bad", INPUT_IDS: [], LABELS: [], LENGTH: 0, CHOSEN_TOKENS: 0}
     out = []
     for k, index in enumerate(indices):
         row = fitted.get(k) or {**bad, PROBLEM: problems[k]}

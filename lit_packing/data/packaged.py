@@ -7,6 +7,7 @@ so the result lives in Arrow files that later `.map` calls cache next to. In YAM
 
     ChampChats       chat               19,440 real multi-turn model conversations on competition math
     ChampProblems    prompt_completion  CHAMP's 270 problems -> step-wise reference solutions
+    ChampPairs       preference         444 pairs: a problem, its reference solution (chosen), a model's flawed one
     Chatterbot       chat               2,025 short English dialogues
     HumanEval        prompt_completion  164 Python signatures + docstrings -> canonical bodies
     StateOfTheUnion  text               State of the Union addresses, by paragraph or whole speech
@@ -78,12 +79,28 @@ def _champ_chats(path: str) -> Iterator[dict]:
 def _champ_problems(path: str) -> Iterator[dict]:
     problems = json.loads(Path(path).read_text())["problems"]
     for pid, problem in problems.items():
-        steps = "\n".join(f"{i}. {step['_text']}" for i, step in enumerate(problem["solution"]["steps"], 1))
-        yield {
-            "id": pid,
-            "prompt": _CHAMP_PROMPT + problem["_text"] + "\n\n",
-            "completion": f"Step-wise solution:\n{steps}\n\nAnswer: {problem['_answer']}",
-        }
+        yield {"id": pid, "prompt": _CHAMP_PROMPT + problem["_text"] + "\n\n", "completion": _champ_solution(problem)}
+
+
+def _champ_pairs(path: str) -> Iterator[dict]:
+    problems = json.loads(Path(path).read_text())["problems"]
+    for pid, problem in problems.items():
+        reference = _champ_solution(problem)
+        for name, annotation in sorted((problem.get("fws_annotations") or {}).items()):
+            if str(annotation["start_idx"]) == "None":  # the annotator found no wrong step: no preference
+                continue
+            yield {
+                "id": f"{pid}|{name}",
+                "prompt": _CHAMP_PROMPT + problem["_text"],
+                "chosen": reference,
+                "rejected": annotation["text"],
+                "first_wrong_step": annotation["text"][int(annotation["start_idx"]) : int(annotation["end_idx"])],
+            }
+
+
+def _champ_solution(problem: dict) -> str:
+    steps = "\n".join(f"{i}. {step['_text']}" for i, step in enumerate(problem["solution"]["steps"], 1))
+    return f"Step-wise solution:\n{steps}\n\nAnswer: {problem['_answer']}"
 
 
 class ChampChats(Source):
@@ -113,6 +130,23 @@ class ChampProblems(Source):
     def load(self, cache_dir: str | None = None) -> datasets.Dataset:
         features = Features({"id": Value("string"), "prompt": Value("string"), "completion": Value("string")})
         return self._from_generator(_champ_problems, features, cache_dir, path=str(package_file(*_CHAMP_FILE)))
+
+
+class ChampPairs(Source):
+    """CHAMP's 444 preference pairs: a problem (CHAMP's instruction and text, the user turn), its step-wise reference
+    solution (chosen) and a model's solution in which a person marked the first wrong step (rejected). Of CHAMP's
+    540 annotated model solutions, the 96 in which the annotator found no wrong step are left out.
+
+    Preference shape (`prompt`, `chosen`, `rejected`, plus `id` = `<problem>|<model>|<prompt style>` and
+    `first_wrong_step`, the annotated span). Needs `pip install --no-deps champ-dataset==1.0.0`.
+    """
+
+    packages = ("champ-dataset",)
+
+    def load(self, cache_dir: str | None = None) -> datasets.Dataset:
+        names = ("id", "prompt", "chosen", "rejected", "first_wrong_step")
+        features = Features({name: Value("string") for name in names})
+        return self._from_generator(_champ_pairs, features, cache_dir, path=str(package_file(*_CHAMP_FILE)))
 
 
 # ---------------------------------------------------------------- Chatterbot (short English dialogues)

@@ -1,9 +1,10 @@
-"""Example shapes: the three column layouts a tokenizer understands, and the checks that make a row trainable.
+"""Example shapes: the column layouts a tokenizer understands, and the checks that make a row trainable.
 
     example_shape(["messages", "id"])   # -> "chat"
 
 Shapes (columns), detected by `example_shape`:
 
+    preference         prompt, chosen, rejected: each a str or a list of messages (TRL's preference layout)
     chat               messages: [{"role": "system" | "user" | "assistant", "content": str}, ...]
     prompt_completion  prompt: str, completion: str
     text               text: str
@@ -25,7 +26,13 @@ from lit_packing.errors import DataError
 CHAT = "chat"
 PROMPT_COMPLETION = "prompt_completion"
 TEXT = "text"
-SHAPE_COLUMNS = {CHAT: ("messages",), PROMPT_COMPLETION: ("prompt", "completion"), TEXT: ("text",)}
+PREFERENCE = "preference"
+SHAPE_COLUMNS = {
+    PREFERENCE: ("prompt", "chosen", "rejected"),
+    CHAT: ("messages",),
+    PROMPT_COMPLETION: ("prompt", "completion"),
+    TEXT: ("text",),
+}
 ROLES = ("system", "user", "assistant")
 # Optional columns a source may add: the row as the user counts it (a file's line number), and why a row it could
 # not read is bad (empty for good rows). `tokenize_dataset` reads both.
@@ -37,7 +44,7 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # C0 controls and DE
 
 
 def example_shape(column_names: list[str], knob: str = "data.source") -> str:
-    """Which shape a dataset's columns hold: `chat`, `prompt_completion` or `text` (checked in that order).
+    """Which shape a dataset's columns hold: `preference`, `chat`, `prompt_completion` or `text` (in that order).
 
     Raises:
         DataError: naming the columns found and the `knob` that maps them (e.g. `data.source.init_args.field_map`).
@@ -47,7 +54,8 @@ def example_shape(column_names: list[str], knob: str = "data.source") -> str:
             return shape
     raise DataError(
         f"no known example shape in columns {sorted(column_names)}: need `messages` (chat), `prompt` + `completion`, "
-        f"or `text`; rename yours with {knob}, e.g. field_map: {{question: prompt, answer: completion}}"
+        f"`text`, or `prompt` + `chosen` + `rejected` (preference pairs); rename yours with {knob}, e.g. field_map: "
+        f"{{question: prompt, answer: completion}}"
     )
 
 
@@ -57,6 +65,8 @@ def example_problem(shape: str, example: dict) -> str:
 
     `example_problem("chat", {"messages": [{"role": "user", "content": "Hi"}]})` -> `"no assistant turn"`.
     """
+    if shape == PREFERENCE:
+        return _pair_problem(example)
     if shape == CHAT:
         return _chat_problem(example.get("messages"))
     if shape == PROMPT_COMPLETION:
@@ -89,6 +99,41 @@ def _chat_problem(messages: object) -> str:
             return problem
     if not any(message["role"] == "assistant" for message in messages):
         return "no assistant turn"
+    return ""
+
+
+def as_messages(value: object, role: str) -> list[dict]:
+    """A preference side as chat messages: a string is one `role` turn ("" none), a list is taken as it is."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}] if value else []
+    return list(value)
+
+
+def _pair_problem(example: dict) -> str:
+    """A preference pair's problem: a side that is no text or no messages, an empty or untrainable side, or a
+    chosen side identical to the rejected one (the pair would teach nothing)."""
+    prompt = example.get("prompt")
+    if isinstance(prompt, str):
+        problem = _text_problem("prompt", prompt, allow_empty=True)
+    elif isinstance(prompt, list):
+        problem = _chat_problem([*prompt, {"role": "assistant", "content": "x"}]) if prompt else ""  # its turns
+    else:
+        problem = f"prompt is {_kind(prompt)}, not a string or a list of messages"
+    if problem:
+        return problem
+    for side in ("chosen", "rejected"):
+        value = example.get(side)
+        if isinstance(value, str):
+            problem = _text_problem(side, value)
+        elif isinstance(value, list):
+            problem = _chat_problem(value) if value else f"{side} is an empty list"
+            problem = problem and f"{side}: {problem}"
+        else:
+            problem = f"{side} is {_kind(value)}, not a string or a list of messages"
+        if problem:
+            return problem
+    if example.get("chosen") == example.get("rejected"):
+        return "chosen and rejected are identical"
     return ""
 
 

@@ -31,7 +31,16 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lit_packing.data.shapes import CHAT, LINE, PROBLEM, SHAPE_COLUMNS, example_problem, example_shape
+from lit_packing.data.shapes import (
+    CHAT,
+    LINE,
+    PREFERENCE,
+    PROBLEM,
+    SHAPE_COLUMNS,
+    as_messages,
+    example_problem,
+    example_shape,
+)
 from lit_packing.errors import AssetError, DataError
 
 _READ_ROWS = 1024  # rows turned into Python objects at a time: what bounds a reader's memory
@@ -173,7 +182,14 @@ def _normalized(shape: str, line: int, record: object, problem: str) -> dict:
     if shape == CHAT:
         messages = [] if problem else [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
         return {**row, "messages": messages}
+    if shape == PREFERENCE:  # a side may be text or messages: held as messages (text as one turn)
+        sides = (("prompt", "user"), ("chosen", "assistant"), ("rejected", "assistant"))
+        return {**row, **{name: [] if problem else _turns(as_messages(record[name], role)) for name, role in sides}}
     return {**row, **{name: "" if problem else record[name] for name in SHAPE_COLUMNS[shape]}}
+
+
+def _turns(messages: list[dict]) -> list[dict[str, str]]:
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def json_rows(path: str, shape: str, field_map: dict[str, str] | None, start: int = 0) -> Iterator[dict]:

@@ -34,7 +34,7 @@ from datasets import Features, Value
 
 from lit_packing._compat import packaged_builders
 from lit_packing.assets import check_local_or_hub
-from lit_packing.data.shapes import CHAT, LINE, MESSAGES, PROBLEM, PROMPT_COMPLETION, TEXT, example_shape
+from lit_packing.data.shapes import CHAT, LINE, MESSAGES, PREFERENCE, PROBLEM, PROMPT_COMPLETION, TEXT, example_shape
 from lit_packing.data.shards import (
     FILE_BUILDERS,
     DatasetShard,
@@ -131,6 +131,7 @@ _SHAPE_FEATURES = {
     CHAT: {"messages": MESSAGES},
     PROMPT_COMPLETION: {"prompt": Value("string"), "completion": Value("string")},
     TEXT: {"text": Value("string")},
+    PREFERENCE: {"prompt": MESSAGES, "chosen": MESSAGES, "rejected": MESSAGES},  # text sides as one turn each
 }
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from lit_packing._compat import dataset_fingerprint
-from lit_packing.batch import IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, TRUNCATED_TOKENS, Pack
+from lit_packing.batch import CHOSEN_TOKENS, IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, TRUNCATED_TOKENS, Pack
 from lit_packing.data.cache_check import checksum_path, remove_stale_tmp, verify_cache, write_record
 from lit_packing.data.encode import (
     DROPPED,
@@ -50,14 +50,14 @@ from lit_packing.data.encode import (
     tokenize_batch,
 )
 from lit_packing.data.report import TokenizationReport, check_report, report_of
-from lit_packing.data.shapes import CHAT, example_shape
+from lit_packing.data.shapes import CHAT, PREFERENCE, example_shape
 from lit_packing.errors import ConfigError, DataError
 from lit_packing.text import count
 
 log = logging.getLogger(__name__)
 
 # Bump when the tokens or labels this module or `encode` produces change: every cached tokenization is rebuilt.
-TOKENIZE_VERSION = "2"
+TOKENIZE_VERSION = "3"  # 3: the chosen_tokens column (preference pairs)
 
 Overlong = Literal["truncate", "drop", "error"]
 TrainOn = Literal["completion", "all"]
@@ -160,7 +160,13 @@ def tokenize_dataset(
     if not len(dataset):
         raise DataError("the source holds no examples: check data.source (its path, split and field_map)")
     shape = example_shape(dataset.column_names)
-    template = chat_template(tokenizer) if shape == CHAT else ""
+    if shape == PREFERENCE and overlong == "truncate":
+        raise ConfigError(
+            "data.overlong",
+            "truncate would cut preference pairs in half (a pair is trained whole or not at all)",
+            "set data.overlong=drop (pairs longer than data.max_length are left out and counted) or error",
+        )
+    template = chat_template(tokenizer) if shape in (CHAT, PREFERENCE) else ""
     if shape == CHAT and not tokenizer.chat_template:
         log.warning(
             "tokenizer %r has no chat template: chats are rendered with ChatML "
@@ -226,7 +232,9 @@ class TokenizedDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, dataset: datasets.Dataset) -> None:
-        self.dataset = dataset.with_format("arrow", columns=[INPUT_IDS, LABELS, TRUNCATED_TOKENS, INDEX])
+        columns = [INPUT_IDS, LABELS, TRUNCATED_TOKENS, INDEX]
+        self.pairs = CHOSEN_TOKENS in dataset.column_names and bool(column(dataset, CHOSEN_TOKENS)[:1].any())
+        self.dataset = dataset.with_format("arrow", columns=columns + [CHOSEN_TOKENS] * self.pairs)
         self._lengths: np.ndarray | None = None
         self._label_tokens: np.ndarray | None = None
 
@@ -269,6 +277,8 @@ class TokenizedDataset(torch.utils.data.Dataset):
         }
         if start == 0:
             item[TRUNCATED_TOKENS] = row.column(TRUNCATED_TOKENS)[0].as_py()
+        if self.pairs and start == 0 and stop is None:  # a slice of a pair is no pair: the collator refuses it
+            item[CHOSEN_TOKENS] = row.column(CHOSEN_TOKENS)[0].as_py()
         return item
 
     def __getitems__(self, keys: list) -> list[dict[str, Any]]:

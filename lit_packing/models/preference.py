@@ -153,3 +153,32 @@ def _log1m_exp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(x)) for x < 0, accurate on both sides of -ln 2."""
     x = x.clamp_max(-1e-6)
     return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def preference_settings(
+    objective: str, beta: float, simpo_gamma_beta_ratio: float, reference: str, lora: dict | None
+) -> PreferenceSettings | None:
+    """The preference settings of a `PackedCausalLM` (None for `objective=sft`), its reference checked."""
+    if objective == "sft":
+        return None
+    settings = PreferenceSettings(objective, beta, simpo_gamma_beta_ratio)
+    if reference not in ("copy", "lora"):
+        raise ConfigError("reference", f"{reference!r} is not a reference", "use copy or lora")
+    if settings.needs_reference and reference == "lora" and not lora:
+        raise ConfigError("reference", "lora takes the reference from the model with its adapter disabled",
+                          "set model.lora (LoraConfig kwargs) or {reference}=copy")  # fmt: skip
+    return settings
+
+
+def preference_metrics(parts: PreferenceParts) -> dict[str, torch.Tensor]:
+    """Sums over the micro-batch's pairs of what is logged per step (the caller divides by the step's pairs):
+    `rewards_chosen`, `rewards_rejected`, `reward_margin`, `reward_accuracy` and the objective's own terms."""
+    chosen, rejected = parts.chosen_rewards.float(), parts.rejected_rewards.float()
+    sums = {
+        "rewards_chosen": chosen.sum(),
+        "rewards_rejected": rejected.sum(),
+        "reward_margin": (chosen - rejected).sum(),
+        "reward_accuracy": (chosen > rejected).float().sum(),
+    }
+    sums.update({name: term.float().sum() for name, term in parts.terms.items()})
+    return {name: value.to(parts.loss_sum.device) for name, value in sums.items()}
