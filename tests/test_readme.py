@@ -79,6 +79,18 @@ def own_data_file(folder: Path, n: int = 30) -> None:
             f.write(json.dumps({"conversation": chat}) + "\n")
 
 
+def own_pairs_file(folder: Path, n: int = 40) -> None:
+    """`my_pairs.jsonl`: n preference pairs (prompt, chosen, rejected), as the preference page's example reads."""
+    with open(folder / "my_pairs.jsonl", "w") as f:
+        for i in range(n):
+            pair = {
+                "prompt": f"What is {i} + {i}?",
+                "chosen": f"{i} + {i} = {2 * i}.",
+                "rejected": f"It is {2 * i + 1}.",
+            }
+            f.write(json.dumps(pair) + "\n")
+
+
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory) -> Path:
     """One folder for every command: configs/ linked in, the own-data file, runs/ written as a user's would be."""
@@ -86,6 +98,7 @@ def scratch(tmp_path_factory) -> Path:
     (folder / "configs").symlink_to(ROOT / "configs")
     (folder / "benchmarks").symlink_to(ROOT / "benchmarks")
     own_data_file(folder)
+    own_pairs_file(folder)
     return folder
 
 

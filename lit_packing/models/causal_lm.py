@@ -22,6 +22,7 @@ What it adds to a plain `AutoModelForCausalLM` (built by `loading.build_model`, 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -44,6 +45,7 @@ from lit_packing.models.loss import (
     HeadInputs,
     LossImpl,
     LossNormalization,
+    LossParts,
     causal_lm_loss,
     check_loss_settings,
     eval_sums,
@@ -57,6 +59,14 @@ from lit_packing.models.memory import (
 )
 from lit_packing.models.mixers import MixerChoice
 from lit_packing.models.optim import lr_schedule, parameter_groups
+from lit_packing.models.pack import pack_model
+from lit_packing.models.preference import (
+    PreferenceParts,
+    pair_logps,
+    preference_loss,
+    preference_metrics,
+    preference_settings,
+)
 from lit_packing.models.selftest import check_isolation
 from lit_packing.models.sharding import (
     TENSOR_PARALLEL,
@@ -78,7 +88,8 @@ Schedule = Literal["cosine", "linear", "constant"]
 NonFinite = Literal["error", "skip"]
 SAMPLE_ROWS = 8  # source rows named when a step fails
 # Core parameters that are `model.<name>` settings (a core `ConfigError` naming one is re-raised with that path).
-MODEL_SETTINGS = ("attn_backend", "varlen_impl", "mixers", "loss_impl", "loss_normalization", "loss_chunk_size")
+MODEL_SETTINGS = ("attn_backend", "varlen_impl", "mixers", "loss_impl", "loss_normalization", "loss_chunk_size",
+                  "objective", "beta", "simpo_gamma_beta_ratio", "reference")  # fmt: skip
 # What the value of a sampler setting sized by `largest_fitting` (`auto`) counts, as its log line says it.
 AUTO_UNITS = {"max_tokens": "tokens per pack", "batch_size": "examples per batch"}
 
@@ -127,6 +138,13 @@ class PackedCausalLM(LightningModule):
         lora: `peft.LoraConfig` kwargs (e.g. `{r: 16, lora_alpha: 32, target_modules: all-linear}`): train adapters.
         resize_embeddings: let a tokenizer larger than a pretrained model's vocabulary grow the embeddings.
         export_dir: at the end of `fit`, `save_pretrained` the model (adapters with LoRA) and tokenizer here.
+        objective: `sft` (default): next-token cross-entropy; `dpo`, `ipo`, `simpo`, `orpo`: a preference objective
+            on packed pairs (data.collator PairCollator, configs/dpo.yaml; see `preference.py`), the loss the mean
+            over every pair of the optimizer step (`loss_normalization` does not apply).
+        beta: the preference objective's beta (dpo / ipo / simpo: the reward's scale; orpo: the odds-ratio weight).
+        simpo_gamma_beta_ratio: SimPO's target margin, as a fraction of beta.
+        reference: where dpo / ipo take the reference log-probs from: `copy` (a frozen copy of the initial model,
+            no gradient, not saved in checkpoints) or `lora` (the model with its adapter disabled: needs `lora`).
         nonfinite: a NaN/inf loss or gradient: `error` (default) stops the run naming the step; `skip` drops that
             optimizer step (no update) and counts it (`train/nonfinite_steps`, the fit summary).
     """
@@ -160,6 +178,10 @@ class PackedCausalLM(LightningModule):
         resize_embeddings: bool = False,
         export_dir: str | None = None,
         nonfinite: NonFinite = "error",
+        objective: Literal["sft", "dpo", "ipo", "simpo", "orpo"] = "sft",
+        beta: float = 0.1,
+        simpo_gamma_beta_ratio: float = 0.5,
+        reference: Literal["copy", "lora"] = "copy",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -174,6 +196,15 @@ class PackedCausalLM(LightningModule):
                 name_or_path, model_config, vocab_size, dtype, attn_backend, device, mixers, isolation_check,
                 resize_embeddings, gradient_checkpointing, lora, check_head=loss_impl != "full",
             )  # fmt: skip
+        with _named_model_settings():
+            self.preference = preference_settings(objective, beta, simpo_gamma_beta_ratio, reference, lora)
+        # dpo / ipo with reference=copy: the initial model, frozen; held outside the module tree (not trained, not
+        # saved in checkpoints), placed on the trainer's device at fit start.
+        self._reference: list[torch.nn.Module] = []
+        if self.preference is not None and self.preference.needs_reference and reference == "copy":
+            self._reference.append(copy.deepcopy(self.model).eval().requires_grad_(False))
+            pack_model(self._reference[0], "per_example")  # a copy is a new model: through the door, on the host
+        self._metric_names: list[str] = []  # the preference metrics summed in `_step_totals` after loss and count
         self.eval_metrics = torch.nn.ModuleDict({stage: _eval_metrics() for stage in ("val", "test")})
         self._step_totals: torch.Tensor | None = None  # [token loss sum, label tokens] of this step on this rank
         self._isolation_pending = isolation_check
@@ -306,6 +337,9 @@ class PackedCausalLM(LightningModule):
 
     def on_fit_start(self) -> None:
         self.packing.route_mixers(self.model)  # on the trainer's device now: the probe decides any kernel route
+        dtype = next(self.model.parameters()).dtype  # the precision plugin's (64-true converts the policy)
+        for reference in self._reference:  # a packed model like the policy, on its device
+            pack_model(reference.to(device=self.device, dtype=dtype), self.attn_backend, self.device)
 
     def on_train_start(self) -> None:
         if self.hparams.memory_check:
@@ -406,9 +440,10 @@ class PackedCausalLM(LightningModule):
         return self(batch) if self.hparams.loss_impl == "full" else self.head_inputs(batch)
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
-        parts = causal_lm_loss(self.loss_outputs(batch), batch, self.hparams.loss_normalization)
+        parts, metrics = self._loss_parts(batch)
         normalizer = self._step_normalizer(batch, parts)
-        local = torch.stack([parts.token_loss_sum.detach(), parts.label_tokens.detach()])
+        self._metric_names = list(metrics)
+        local = torch.stack([parts.token_loss_sum.detach(), parts.label_tokens.detach(), *metrics.values()])
         local = local.to(_accumulator_dtype(local.device))
         self._step_totals = local if self._step_totals is None else self._step_totals + local
         # Lightning divides by accumulate_grad_batches and DDP averages over ranks: undo both, so the step's
@@ -417,9 +452,33 @@ class PackedCausalLM(LightningModule):
         factor = ranks * self.trainer.accumulate_grad_batches
         return parts.objective * (factor / normalizer)
 
+    def _loss_parts(self, batch: Mapping[str, Any]) -> tuple[LossParts, dict[str, torch.Tensor]]:
+        """This micro-batch's loss sums and, for a preference objective, its metrics' sums over its pairs (a pair
+        counts as one: `label_tokens` is the number of pairs)."""
+        if self.preference is None:
+            return causal_lm_loss(self.loss_outputs(batch), batch, self.hparams.loss_normalization), {}
+        parts = self._preference_parts(batch)
+        pairs = torch.tensor(float(len(parts.chosen_rewards)), device=parts.loss_sum.device)
+        return LossParts(parts.loss_sum, pairs, parts.loss_sum, pairs), preference_metrics(parts)
+
+    def _preference_parts(self, batch: Mapping[str, Any]) -> PreferenceParts:
+        policy = pair_logps(self.loss_outputs(batch), batch)
+        reference = None
+        if self.preference.needs_reference:
+            with torch.no_grad():
+                if self._reference:
+                    impl = "liger" if self.hparams.loss_impl == "liger" else "chunked"
+                    outputs = head_inputs(self._reference[0], batch, self.hparams.loss_chunk_size, impl)
+                    reference = pair_logps(outputs, batch)
+                else:  # reference=lora: the base model, its adapter off
+                    with self.model.disable_adapter():
+                        reference = pair_logps(self.loss_outputs(batch), batch)
+        return preference_loss(policy, reference, self.preference)
+
     def _step_normalizer(self, batch: Mapping[str, Any], parts) -> int | torch.Tensor:
-        """The optimizer step's global label tokens (or sequences): from the batch, else this micro-batch's."""
-        key = "label_tokens" if self.hparams.loss_normalization == "token" else "sequences"
+        """The optimizer step's global label tokens (or sequences, or pairs): from the batch, else this
+        micro-batch's."""
+        key = "label_tokens" if self.hparams.loss_normalization == "token" and self.preference is None else "sequences"
         if STEP in batch:
             return max(batch[STEP][key], 1)
         if self.trainer.world_size * self.trainer.accumulate_grad_batches > 1:
@@ -444,6 +503,8 @@ class PackedCausalLM(LightningModule):
             return
         totals = trainer.strategy.reduce(totals, reduce_op="sum")
         self.log("train/loss", totals[0] / totals[1].clamp_min(1), prog_bar=True, on_step=True, on_epoch=False)
+        for name, total in zip(self._metric_names, totals[2:]):  # preference metrics: means over the step's pairs
+            self.log(f"train/{name}", total / totals[1].clamp_min(1), on_step=True, on_epoch=False)
 
     def _finite_step(self, loss_sum: torch.Tensor) -> bool:
         """Whether this optimizer step's loss and gradients are finite (one host sync); if not, raise a
@@ -486,7 +547,12 @@ class PackedCausalLM(LightningModule):
         self._eval_step(batch, "test")
 
     def _eval_step(self, batch: Mapping[str, Any], stage: str) -> None:
-        loss_sum, tokens, correct = eval_sums(self.loss_outputs(batch), batch[LABELS])
+        if self.preference is not None:  # the objective's mean over pairs, and how often chosen out-rewards rejected
+            parts = self._preference_parts(batch)
+            loss_sum, tokens = parts.loss_sum, torch.tensor(len(parts.chosen_rewards), device=parts.loss_sum.device)
+            correct = (parts.chosen_rewards > parts.rejected_rewards).sum()
+        else:
+            loss_sum, tokens, correct = eval_sums(self.loss_outputs(batch), batch[LABELS])
         metrics = self.eval_metrics[stage]
         metrics["loss_sum"].update(loss_sum)
         metrics["tokens"].update(tokens)
@@ -506,6 +572,9 @@ class PackedCausalLM(LightningModule):
         for metric in metrics.values():
             metric.reset()
         self.log(f"{stage}/loss", loss, prog_bar=True)
+        if self.preference is not None:
+            self.log(f"{stage}/reward_accuracy", accuracy)
+            return
         self.log(f"{stage}/perplexity", loss.exp())
         self.log(f"{stage}/token_accuracy", accuracy)
 
