@@ -60,6 +60,7 @@ class Packing:
         needs: what the model asks of attention (softcap, sinks, windows, ...).
         keywords: what its layers hand the attention function (the probe's record).
         mixers: each non-attention token mixer's route and why (empty for an attention-only model).
+        mixer_choice: the routes asked for (`auto`, `kernel`, `per_example`), decided again by `route_mixers`.
     """
 
     requested: str
