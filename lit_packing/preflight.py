@@ -102,6 +102,8 @@ def check_global_batch(packs_per_step: Any, devices: Any, num_nodes: Any) -> Non
 def read_position(ckpt_path: str) -> Position:
     """The run's position in a checkpoint file, or an `AssetError` naming `--ckpt_path` when there is none."""
     path = Path(ckpt_path).expanduser()
+    if path.is_dir() and (path / SHARDED_METADATA).is_file():
+        path = path / SHARDED_METADATA  # a sharded (distributed) checkpoint: its loops' state beside the shards
     if not path.is_file():
         where = "a folder, not a checkpoint file" if path.is_dir() else "no such file"
         hint = f" (looked in {Path.cwd()})" if not path.is_absolute() and looks_like_path(ckpt_path) else ""
@@ -112,6 +114,9 @@ def read_position(ckpt_path: str) -> Position:
     return Position(str(ckpt_path), step, epoch, completed)
 
 
+# What Lightning's ModelParallelStrategy writes beside the shards of a distributed checkpoint (a folder): everything
+# but the weights and optimizer states, from global rank 0.
+SHARDED_METADATA = "meta.pt"
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format is a zip archive
 # torch names the first object it refuses: "Unsupported global: GLOBAL x.y ..." or "... unsupported GLOBAL x.y ..."
 _REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")

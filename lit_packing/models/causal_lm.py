@@ -70,6 +70,7 @@ from lit_packing.models.preference import (
 from lit_packing.models.selftest import check_isolation
 from lit_packing.models.sharding import (
     TENSOR_PARALLEL,
+    full_state_dict,
     is_sharded,
     local_tensor,
     shard_count,
@@ -320,9 +321,9 @@ class PackedCausalLM(LightningModule):
         """Refuse a checkpoint of another model in one line, before Lightning loads its weights (a size mismatch
         would otherwise end in a traceback); a LoRA run's checkpoint lacks the frozen weights by design."""
         trainer = self._trainer
-        if "state_dict" not in checkpoint or (
-            trainer is not None and trainer.strategy.restore_checkpoint_after_setup
-        ):  # FSDP loads (and removes) the weights itself, sharded: comparing would gather them on every rank
+        if trainer is not None and trainer.strategy.restore_checkpoint_after_setup:
+            return  # FSDP loads (and removes) the weights itself, sharded: comparing would gather them on every rank
+        if "state_dict" not in checkpoint:
             return
         strict = self.strict_loading and trainer is not None  # `load_from_checkpoint(strict=...)` decides there
         problem = weights_mismatch(checkpoint["state_dict"], self.state_dict(), strict)
@@ -594,26 +595,45 @@ class PackedCausalLM(LightningModule):
             eps=hp.eps,
             fused=fused or None,
         )
-        total, kind = self.trainer.estimated_stepping_batches, hp.scheduler
-        if not math.isfinite(total) and kind != "constant":
-            log.warning("the number of steps is unknown: scheduler=%s becomes constant; set trainer.max_steps", kind)
-            total, kind = 0, "constant"
-        schedule = lr_schedule(kind, hp.warmup_steps, max(1, int(total)), hp.min_lr_ratio)
+        trainer = self.trainer
+        if trainer.strategy.restore_checkpoint_after_setup:
+            # A strategy that restores a checkpoint after `configure_optimizers` (ModelParallelStrategy): counting
+            # the steps now would start the training loader before a resume gives the data module its position.
+            first = self._schedule(self.hparams.warmup_steps + 1)(0)  # step 0's multiplier, whatever the count
+            schedule = _counted_at_first_step(lambda: self._schedule(trainer.estimated_stepping_batches), first)
+        else:
+            schedule = self._schedule(trainer.estimated_stepping_batches)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    def on_fit_end(self) -> None:
-        if self.hparams.export_dir and self.trainer.is_global_zero:
-            self.export(self.hparams.export_dir)
+    def _schedule(self, total: float) -> Callable[[int], float]:
+        hp, kind = self.hparams, self.hparams.scheduler
+        if not math.isfinite(total) and kind != "constant":
+            log.warning("the number of steps is unknown: scheduler=%s becomes constant; set trainer.max_steps", kind)
+            total, kind = 0, "constant"
+        return lr_schedule(kind, hp.warmup_steps, max(1, int(total)), hp.min_lr_ratio)
 
-    def export(self, path: str) -> None:
+    def on_fit_end(self) -> None:
+        if not self.hparams.export_dir:
+            return
+        # Sharded, every rank gathers the whole weights to rank 0 (a collective), which writes one folder.
+        state = full_state_dict(self.model) if is_sharded(self.model) else None
+        if self.trainer.is_global_zero:
+            self.export(self.hparams.export_dir, state)
+
+    def export(self, path: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """`save_pretrained` the model (LoRA: the adapters) and, when one is known, the tokenizer.
+
+        Args:
+            path: the folder written.
+            state_dict: the whole weights of a sharded model (`sharding.full_state_dict`), written in place of its
+                parameters (each rank's shard).
 
         Raises:
             TrainingError: a weight is NaN or infinite; nothing is written.
         """
-        check_finite_weights(self.model, path)
-        self.model.save_pretrained(path)
+        check_finite_weights(self.model, path, state_dict)
+        self.model.save_pretrained(path, **({} if state_dict is None else {"state_dict": state_dict}))
         tokenizer = self._data.tokenizer if self._data is not None else None
         if tokenizer is None and self.hparams.model_config is None:
             with contextlib.suppress(Exception):  # a tokenizer is a nicety here: the weights are what matters
@@ -668,6 +688,22 @@ def _eval_metrics() -> torch.nn.ModuleDict:
     return torch.nn.ModuleDict(
         {name: torchmetrics.SumMetric(nan_strategy="disable") for name in ("loss_sum", "tokens", "correct")}
     )
+
+
+def _counted_at_first_step(build: Callable[[], Callable[[int], float]], first: float) -> Callable[[int], float]:
+    """A schedule built when it is first asked for a step after 0 (`build`); at step 0, `first`: every schedule's
+    multiplier there is the same whatever the step count (warmup's first step, or the start of the decay). A plain
+    function, so that `LambdaLR.state_dict` does not try to save it."""
+    built: list[Callable[[int], float]] = []
+
+    def multiplier(step: int) -> float:
+        if step == 0 and not built:
+            return first
+        if not built:
+            built.append(build())
+        return built[0](step)
+
+    return multiplier
 
 
 def _accumulator_dtype(device: torch.device) -> torch.dtype:

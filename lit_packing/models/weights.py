@@ -59,9 +59,11 @@ def weights_mismatch(saved: Mapping[str, Any], here: Mapping[str, torch.Tensor],
     return "; ".join(parts)
 
 
-def check_finite_weights(model: torch.nn.Module, path: str) -> None:
-    """Refuse to export a model holding NaN or inf weights (nothing is written)."""
-    broken = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+def check_finite_weights(model: torch.nn.Module, path: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Refuse to export a model holding NaN or inf weights (nothing is written); `state_dict`: the whole weights
+    gathered from a sharded model, checked instead of its parameters (each rank's shard)."""
+    named = state_dict.items() if state_dict is not None else model.named_parameters()
+    broken = [name for name, p in named if p.is_floating_point() and not torch.isfinite(p).all()]
     if broken:
         raise TrainingError(
             f"not exporting to {path}: {len(broken):,} weight tensors hold NaN or inf (first: {broken[0]}); "

@@ -9,8 +9,10 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,6 +74,20 @@ def test_a_model_without_a_layer_class_is_refused_in_one_line():
 def test_mixed_precision_gathers_half_parameters_and_reduces_in_fp32(precision, param_dtype, reduce_dtype):
     policy = mixed_precision_policy(precision)
     assert (policy.param_dtype, policy.reduce_dtype) == (param_dtype, reduce_dtype)
+
+
+@pytest.mark.parametrize("kind, warmup", [("cosine", 0), ("cosine", 3), ("linear", 2), ("constant", 0)])
+def test_a_schedule_counted_at_the_first_step_is_the_schedule(kind, warmup):
+    """Under a strategy that restores a checkpoint after `configure_optimizers`, the step count is read at the
+    first step after 0 (reading it earlier would start the loader before a resume's position): same multipliers."""
+    from lit_packing.models.causal_lm import _counted_at_first_step
+    from lit_packing.models.optim import lr_schedule
+
+    built = []
+    eager = lr_schedule(kind, warmup, 20, 0.1)
+    lazy = _counted_at_first_step(lambda: built.append(1) or eager, lr_schedule(kind, warmup, warmup + 1, 0.1)(0))
+    assert lazy(0) == eager(0) and not built
+    assert [lazy(step) for step in range(25)] == [eager(step) for step in range(25)] and built == [1]
 
 
 @pytest.fixture
@@ -238,3 +254,50 @@ def test_the_paper_config_with_the_fsdp2_delta_trains_the_ddp_runs_losses(tmp_pa
     fsdp2, ddp = logged_losses(tmp_path / "fsdp2" / "version_0"), logged_losses(tmp_path / "ddp" / "version_0")
     assert len(fsdp2) == 4
     assert fsdp2 == pytest.approx(ddp, abs=LOSS_ATOL)
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_sharded_run_then_resume_is_exact_and_exports_one_folder(tmp_path, tiny_llama_config):
+    """2 FSDP2 ranks (2 loader workers each, accumulation 2) SIGKILLed after the distributed checkpoint of step 4
+    (mid-epoch), resumed from that folder to step 6: every rank trains the batches the run left alone trained, and
+    both end with the same weights, each written as one Hugging Face folder."""
+    from safetensors.torch import load_file
+
+    from tests.cli.test_resume import RECORDER, env, fit_args, records
+
+    (tmp_path / "recorder.py").write_text(RECORDER)
+    run = dict(cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=600)
+
+    def args(name: str, *extra: str) -> list[str]:
+        sharded = ("configs/quickstart.yaml", "configs/fsdp2.yaml")
+        return [*fit_args(tmp_path, tiny_llama_config, name, sharded, delay=0.3 if name == "killed" else 0.0),
+                "--trainer.devices=2", "--trainer.max_steps=6",
+                f"--model.export_dir={tmp_path / name / 'export'}", *extra]  # fmt: skip
+
+    alone = subprocess.run(args("alone"), **run)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    victim = subprocess.Popen(args("killed"), start_new_session=True, **{k: run[k] for k in ("cwd", "env")},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    checkpoint = tmp_path / "killed" / "step=4.ckpt"
+    deadline = time.monotonic() + 400
+    while not (checkpoint / "meta.pt").exists() and victim.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)  # meta.pt: rank 0 writes it after every rank's shards
+    time.sleep(1.0)  # let it train (and prefetch) past the checkpoint
+    os.killpg(victim.pid, signal.SIGKILL)  # every rank and loader worker, without warning
+    victim.wait()
+    assert (checkpoint / "meta.pt").exists()
+    resumed = subprocess.run(args("resumed", f"--ckpt_path={checkpoint}"), **run)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    for rank in (0, 1):
+        uninterrupted = records(tmp_path / f"alone.jsonl.rank{rank}")
+        before = [r for r in records(tmp_path / f"killed.jsonl.rank{rank}") if r["step"] < 4]
+        assert {r["epoch"] for r in uninterrupted} == {0, 1}  # step 4 is mid-epoch 0 (5 steps), step 6 in epoch 1
+        assert any(r["step"] >= 4 for r in records(tmp_path / f"killed.jsonl.rank{rank}"))  # lost, to be redone
+        assert [r["rows"] for r in before + records(tmp_path / f"resumed.jsonl.rank{rank}")] == [
+            r["rows"] for r in uninterrupted
+        ]
+    alone, resumed = (load_file(tmp_path / name / "export" / "model.safetensors") for name in ("alone", "resumed"))
+    assert len(alone) == 20 and alone["model.embed_tokens.weight"].shape == (49152, 64)  # whole, tied head once
+    for key, tensor in alone.items():
+        torch.testing.assert_close(resumed[key], tensor, rtol=1e-6, atol=1e-7, msg=key)
