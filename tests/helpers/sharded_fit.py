@@ -4,7 +4,7 @@
 
 Every run trains the same micro-batches (`micro_batches`): `STEPS` optimizer steps of 4 micro-batches each, the
 second and fourth of a step much longer than the first and third, so that with 2 ranks (rank 0 trains the first and
-third, rank 1 the second and fourth; accumulation 2) rank 1 holds ~5x rank 0's label tokens. One
+third, rank 1 the second and fourth; accumulation 2) rank 1 holds 7x rank 0's label tokens (126 vs 18). One
 process accumulating 4 trains the same steps. Rank 0 writes {"losses", "grad_norms", "reduce_scatters",
 "weights"} to `out`: the per-step logged loss, the step's global gradient norm before clipping, FSDP2's
 reduce-scatter calls per step, and the final full weights.
