@@ -98,6 +98,4 @@ def test_packed_dpo_gives_trls_losses_step_by_step():
         losses.append(loss.item())
     assert abs(losses[0] - 0.6931471805599453) < 1e-6
     assert losses[-1] < losses[0] - 0.05  # the steps move the loss
-    torch.testing.assert_close(
-        torch.tensor(losses), torch.tensor(trl_losses, dtype=torch.float32), rtol=1e-3, atol=0
-    )
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(trl_losses, dtype=torch.float32), rtol=1e-3, atol=0)
