@@ -235,7 +235,7 @@ class PackedCollator:
 
 def _refuse_pairs(examples: list[dict[str, Any]], collator: str) -> None:
     """Preference pairs given to a collator of single examples would train chosen and rejected as one sequence."""
-    if examples and CHOSEN_TOKENS in examples[0]:
+    if examples and examples[0].get(CHOSEN_TOKENS):  # a tokenized table's other rows say 0
         raise DataError(
             f"{collator} got preference pairs (prompt, chosen, rejected): it would train each pair as one sequence; "
             "set data.collator=lit_packing.data.PairCollator and a preference objective (model.objective=dpo, ...): "
@@ -274,7 +274,7 @@ class PairCollator:
         host = _host_entries(pairs)
         sequences = []
         for pair in pairs:
-            if CHOSEN_TOKENS not in pair:
+            if not pair.get(CHOSEN_TOKENS):
                 raise DataError(
                     "PairCollator got an example that is no whole preference pair: the data needs prompt, chosen and "
                     "rejected columns, and a sampler that keeps examples whole (not FixedLengthPackingSampler)"

@@ -109,3 +109,16 @@ def test_every_sampler_deals_whole_pairs_exactly_once_with_the_steps_pair_count(
     for batch in batches:
         assert len(batch[PAIRS]) == len(batch[ROWS]) and batch[STEP]["sequences"] == len(batch[ROWS])
         assert batch["input_ids"].shape[1] <= 4096
+
+
+def test_rows_of_a_tokenized_table_of_examples_are_no_pairs(tmp_path, tokenizer):
+    """A table of single examples carries `chosen_tokens` = 0 (one schema for every shape): the collators of
+    single examples take its rows as they are (the core page indexes the table directly)."""
+    from lit_packing.data import Chatterbot
+
+    examples, _ = tokenize_dataset(Chatterbot().load(str(tmp_path)).select(range(4)), tokenizer, max_length=256)
+    rows = [examples[i] for i in range(4)]
+    assert all(row[CHOSEN_TOKENS] == 0 for row in rows)
+    assert PackedCollator()(rows)["counts"]["examples"] == 4
+    with pytest.raises(DataError, match="no whole preference pair"):
+        PairCollator()(rows)
