@@ -22,6 +22,7 @@ that waits on that output hangs), and a killed rank 0 left rank 1 blocked in a c
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
@@ -90,6 +91,24 @@ def leave_to_parent(signals: Iterable[int]) -> None:
     """Processes this one forks from now on (a DataLoader's workers) ignore `signals`; an empty set: no more."""
     _LEFT_TO_PARENT.clear()
     _LEFT_TO_PARENT.update(int(signum) for signum in signals)
+    if _LEFT_TO_PARENT and not _KILL_AT_EXIT:
+        # Registered after multiprocessing's own exit handler, so it runs first: that handler ends daemonic children
+        # with SIGTERM, which a worker forked now ignores, and then waits for them forever.
+        atexit.register(_kill_daemonic_children)
+        _KILL_AT_EXIT.append(True)
+
+
+_KILL_AT_EXIT: list[bool] = []
+
+
+def _kill_daemonic_children() -> None:
+    """At exit, end what is left of the daemonic children (a stream's tokenizing workers still waiting for work)
+    with SIGKILL: they may ignore the SIGTERM multiprocessing would send them."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
 
 
 def _ignore_left_to_parent() -> None:
