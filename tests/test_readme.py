@@ -166,6 +166,10 @@ def main_py_args(words: list[str]) -> tuple[list[str], bool]:
         return args, True
     if "configs/gpu.yaml" in joined or "--config gpu" in joined:  # a GPU (and here a Hub model): parse errors only
         return [*args, "--print_config"], True
+    if any(arg.startswith("--trainer.devices=") and arg.split("=", 1)[1] not in ("1", "auto") for arg in args):
+        # several processes: Lightning's launcher would start this test's own command again for each rank (the
+        # sharded launch runs through the CLI in tests/models/test_sharding.py); here its config must parse
+        return [*args, "--print_config"], True
     extra = [f"--model.model_config={json.dumps(TINY)}"]
     if "--model.name_or_path=" in joined:  # a local folder a page's command wrote (an export): its own weights
         extra = []
