@@ -125,7 +125,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.smoke:
         args.layers, args.max_tokens, args.pairs_per_step = 2, 96, 2
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained("smollm2", with_model=False))
     config = AutoConfig.for_model(**{**_smollm2_shape(), "num_hidden_layers": args.layers})
     torch.manual_seed(0)

@@ -233,7 +233,8 @@ class TokenizedDataset(torch.utils.data.Dataset):
 
     def __init__(self, dataset: datasets.Dataset) -> None:
         columns = [INPUT_IDS, LABELS, TRUNCATED_TOKENS, INDEX]
-        self.pairs = CHOSEN_TOKENS in dataset.column_names and bool(column(dataset, CHOSEN_TOKENS)[:1].any())
+        # one shape a table: its first row says whether it holds pairs (one value read, not the column)
+        self.pairs = CHOSEN_TOKENS in dataset.column_names and len(dataset) > 0 and dataset[0][CHOSEN_TOKENS] > 0
         self.dataset = dataset.with_format("arrow", columns=columns + [CHOSEN_TOKENS] * self.pairs)
         self._lengths: np.ndarray | None = None
         self._label_tokens: np.ndarray | None = None
