@@ -49,7 +49,6 @@ def run_peer(spec: RunSpec, result: RunResult) -> None:
     data.setup("fit")
     path = resolve_pretrained(spec.model)  # `smollm2`: the packaged model's converted folder
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
-    cli.model.model = model  # the module validation runs: it scores the peer's trained weights with our attention
     shape = model_shape(model)
     clock_losses: list[torch.Tensor] = []
 
@@ -121,6 +120,8 @@ def run_peer(spec: RunSpec, result: RunResult) -> None:
         result.epoch_slot_tokens += counts["slot_tokens"]
         result.epoch_real_tokens += counts["real_tokens"]
         result.epoch_work += hardware_flops(shape, counts)
-    # Validation: the peer's trained weights, scored by lit_packing's validation on the same held-out examples.
+    # Validation: the peer's trained weights, loaded into our packed model of the same initial weights and scored
+    # by lit_packing's validation on the same held-out examples.
+    cli.model.model.load_state_dict(model.state_dict())
     result.val_loss = validate(cli)
     result.device = str(device)

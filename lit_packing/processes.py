@@ -102,13 +102,16 @@ _KILL_AT_EXIT: list[bool] = []
 
 
 def _kill_daemonic_children() -> None:
-    """At exit, end what is left of the daemonic children (a stream's tokenizing workers still waiting for work)
-    with SIGKILL: they may ignore the SIGTERM multiprocessing would send them."""
+    """At exit, end what is left of the daemonic children (a DataLoader's workers, a stream's tokenizing workers
+    still waiting for work) with SIGKILL: they may ignore the SIGTERM multiprocessing would send them. The
+    DataLoader's SIGCHLD handler, which would report each such worker as failed, is set aside first: the fit is over."""
     import multiprocessing
 
-    for child in multiprocessing.active_children():
-        if child.daemon:
-            child.kill()
+    children = [child for child in multiprocessing.active_children() if child.daemon]
+    if children:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in children:
+        child.kill()
 
 
 def _ignore_left_to_parent() -> None:

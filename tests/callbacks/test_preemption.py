@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -152,3 +154,19 @@ def test_processes_forked_during_a_fit_ignore_the_signals_left_to_it():
     finally:
         processes.leave_to_parent(())
     assert signal.getsignal(signal.SIGUSR1) != signal.SIG_IGN
+
+
+def test_a_process_whose_loader_workers_ignore_the_signals_exits_cleanly(tmp_path):
+    # A DataLoader's persistent workers forked while the signals are left to the fit ignore SIGTERM: the process
+    # still exits promptly, and quietly (no worker reported as failed by the DataLoader's SIGCHLD handler).
+    script = tmp_path / "loader.py"
+    script.write_text(
+        "import signal, torch\n"
+        "from lit_packing import processes\n"
+        "processes.leave_to_parent({signal.SIGUSR1, signal.SIGTERM})\n"
+        "loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, num_workers=2, persistent_workers=True)\n"
+        "print(next(iter(loader)).tolist())\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (0, "[0, 1]"), done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
