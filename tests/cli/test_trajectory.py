@@ -4,6 +4,8 @@
   every optimizer step, the same per-step losses, the same final weights (within summation order);
 - kill -9 on 2 ranks and `--ckpt_path` on 1 (and the reverse), with no global batch set: the resume keeps the
   checkpoint's global batch and ends with the uninterrupted run's weights and losses;
+- the same with FSDP2 (`configs/fsdp2.yaml`): a distributed checkpoint written by 2 sharded ranks, killed, resumed
+  on 1 (the model and AdamW state resharded from 2 shards to 1), and the reverse, on the same trajectory;
 - a global batch the ranks cannot split is refused before anything starts.
 """
 
@@ -86,18 +88,23 @@ def fit(tmp_path: Path, args: list[str]) -> str:
 
 
 def kill_after(tmp_path: Path, args: list[str], checkpoint: Path) -> None:
-    """Start the run, wait for `checkpoint`, let it train past it, then SIGKILL every process of the launch."""
+    """Start the run, wait for `checkpoint` (a distributed checkpoint's folder: for its `meta.pt`, written last),
+    let it train past it, then SIGKILL every process of the launch."""
     victim = subprocess.Popen(
         args, cwd=tmp_path, env=env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + 600
-    while not checkpoint.exists() and victim.poll() is None and time.monotonic() < deadline:
+    while not written(checkpoint) and victim.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(1.5)
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
     assert checkpoint.exists(), "the run ended before its checkpoint"
+
+
+def written(checkpoint: Path) -> bool:
+    return (checkpoint / "meta.pt").exists() if checkpoint.is_dir() else checkpoint.exists()
 
 
 def losses(tmp_path: Path, *names: str) -> dict[int, float]:
@@ -129,6 +136,14 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's model weights (its `state_dict`): of one file, or of a distributed checkpoint (FSDP2's
+    folder, read whole into one process)."""
+    if path.is_dir():
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        whole = path.parent / f"{path.name}.whole.pt"
+        dcp_to_torch_save(path, whole)
+        path = whole
     return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
 
 
@@ -188,6 +203,30 @@ def test_kill_9_then_resume_on_another_world_size_keeps_the_trajectory(reference
         difference = relative_difference(at_6, weights(tmp / f"{name}_changed" / "step=6.ckpt"))
         print(f"{name}: a changed global batch (1 pack) differs from the kept one by {difference:.2e}")
         assert difference > 100 * max(kept, 1e-7)
+
+
+FSDP2 = ["--config", "fsdp2"]
+
+
+def sharded_over(ranks: int) -> list[str]:
+    return [*FSDP2, f"--trainer.strategy.init_args.data_parallel_size={ranks}"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)], ids=["2 shards -> 1", "1 shard -> 2"])
+def test_a_sharded_checkpoint_resumes_on_another_world_size_on_the_trajectory(reference, before, after):
+    """FSDP2 killed after its distributed checkpoint of step 4; `--ckpt_path` with FSDP2 on another number of ranks
+    reads every weight and AdamW moment into the new shards and keeps the checkpoint's global batch of 2 packs."""
+    tmp = reference[0]
+    name = f"sharded_{before}_{after}"
+    layout = [f"--trainer.accumulate_grad_batches={2 // before}"]
+    kill_after(tmp, fit_args(tmp, LLAMA, name, before, *sharded_over(before), *layout, delay=0.5),
+               tmp / name / "step=4.ckpt")  # fmt: skip
+    resume = [*sharded_over(after), *layout, f"--ckpt_path={tmp / name / 'step=4.ckpt'}"]
+    out = fit(tmp, fit_args(tmp, LLAMA, name, after, *resume, record=f"{name}_resumed"))
+    assert f"keeping the checkpoint's 2 packs per optimizer step ({before} rank" in out, out[-3000:]
+    assert "the same 2 packs per optimizer step, the remaining steps as planned" in out
+    assert_same_trajectory(reference, name, name, f"{name}_resumed")
 
 
 def test_a_global_batch_the_ranks_cannot_split_is_refused(tmp_path):
