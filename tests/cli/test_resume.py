@@ -155,14 +155,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Per launch layout: ranks per node, then what the launch on 2 nodes and the resume on one process add.
+LAYOUTS = {
+    "ddp": (1, (), ()),
+    "fsdp2": (  # 2 nodes x 2 ranks sharded 4 ways; the resume reads the 4 shards into 1
+        2,
+        ("--config", str(ROOT / "configs/fsdp2.yaml"), "--trainer.strategy.init_args.data_parallel_size=4"),
+        ("--config", str(ROOT / "configs/fsdp2.yaml"), "--trainer.strategy.init_args.data_parallel_size=1"),
+    ),
+}
+
+
 @pytest.mark.slow
-def test_two_node_launch_on_loopback_then_resume_on_one_process(tmp_path, tiny_llama_config):
-    """`torchrun --nnodes=2 --nproc-per-node=1` twice (node ranks 0 and 1) trains with DDP over gloo and stops at a
-    checkpoint mid-epoch; one process resumes it: every example of the epoch is trained exactly once."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_node_launch_on_loopback_then_resume_on_one_process(tmp_path, tiny_llama_config, layout):
+    """`torchrun --nnodes=2` twice (node ranks 0 and 1) trains over gloo (DDP with 1 rank a node; FSDP2 with 2 a
+    node, each layer sharded over the 4 ranks) and stops at a checkpoint mid-epoch; one process resumes it: every
+    example of the epoch is trained exactly once."""
+    per_node, launched, resumed = LAYOUTS[layout]
+    ranks = 2 * per_node
     (tmp_path / "recorder.py").write_text(RECORDER)
     port = free_port()
     common = fit_args(tmp_path, tiny_llama_config, "nodes", configs=MULTINODE)[1:]  # drop the interpreter
-    common += ["--trainer.num_nodes=2", "--trainer.devices=1", "--trainer.max_epochs=1", "--trainer.max_steps=2"]
+    common += ["--trainer.num_nodes=2", f"--trainer.devices={per_node}", "--trainer.max_epochs=1",
+               "--trainer.max_steps=2", *launched]  # fmt: skip
     nodes = [
         subprocess.Popen(
             [
@@ -170,7 +186,7 @@ def test_two_node_launch_on_loopback_then_resume_on_one_process(tmp_path, tiny_l
                 "-m",
                 "torch.distributed.run",
                 "--nnodes=2",
-                "--nproc-per-node=1",
+                f"--nproc-per-node={per_node}",
                 f"--node-rank={rank}",
                 "--master-addr=127.0.0.1",
                 f"--master-port={port}",
@@ -187,11 +203,11 @@ def test_two_node_launch_on_loopback_then_resume_on_one_process(tmp_path, tiny_l
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     for node, output in zip(nodes, outputs):
         assert node.returncode == 0, output[-3000:]
-    per_rank = [records(tmp_path / f"nodes.jsonl.rank{r}") for r in (0, 1)]
-    assert len(per_rank[0]) == len(per_rank[1]) == 4  # 2 optimizer steps x 2 micro-batches, on each node
+    per_rank = [records(tmp_path / f"nodes.jsonl.rank{r}") for r in range(ranks)]
+    assert [len(rank) for rank in per_rank] == [4] * ranks  # 2 optimizer steps x 2 micro-batches, on each rank
 
     single = fit_args(tmp_path, tiny_llama_config, "single", configs=MULTINODE)
-    single += ["--trainer.num_nodes=1", "--trainer.devices=1", "--trainer.max_epochs=1",
+    single += ["--trainer.num_nodes=1", "--trainer.devices=1", "--trainer.max_epochs=1", *resumed,
                f"--ckpt_path={tmp_path / 'nodes' / 'step=2.ckpt'}"]  # fmt: skip
     done = subprocess.run(single, cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
