@@ -20,6 +20,8 @@
 #    each beside the memory estimate's prediction (python -m benchmarks.loss_memory).
 # 5. hybrids (<= 40 s): a Mamba-2 hybrid and a gated-delta-net hybrid, padding vs packing with the mixers per example
 #    beside torch_varlen (python -m benchmarks.attention_throughput --family ...), bf16.
+# 6. sharded (<= 2 x 45 s): SmolLM2-135M on CHAMP chats through the CLI (configs/gpu.yaml, 8 steps) on every GPU of
+#    the machine, DDP then FSDP2 (configs/fsdp2.yaml, NCCL): the fit summaries' peak memory per rank side by side.
 # Every part is capped by what is left of BUDGET seconds (default 450: the script ends within 8 minutes), and a
 # part with under 20 s left is skipped.
 #
@@ -105,6 +107,15 @@ for family in bamba qwen3_next; do
     "$PYTHON" -m benchmarks.attention_throughput --device cuda --family "$family" --steps 6 \
     --modes torch_varlen --mixers auto
 done
+
+GPUS=$("$PYTHON" -c "import torch; print(max(1, torch.cuda.device_count()))")
+SHARDED_FIT=(main.py fit --config configs/gpu.yaml --trainer.devices="$GPUS" --trainer.max_steps=8
+             --trainer.limit_val_batches=0 --trainer.logger=false --data.limit=2048
+             --trainer.default_root_dir="$RESULTS/sharded")
+part 45 "sharded: DDP on $GPUS GPU(s), SmolLM2-135M, bf16-mixed, 8 steps (peak memory in the summary)" \
+  "$PYTHON" "${SHARDED_FIT[@]}" --trainer.strategy=ddp
+part 45 "sharded: FSDP2 over $GPUS GPU(s), the same run (peak memory per rank in the summary, against DDP's)" \
+  "$PYTHON" "${SHARDED_FIT[@]}" --config configs/fsdp2.yaml --trainer.strategy.init_args.data_parallel_size="$GPUS"
 
 echo "== done in ${SECONDS}s; results under $RESULTS/bench_gpu*"
 exit $status
