@@ -29,6 +29,26 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class PairSplit:
+    """One split's preference pairs, for reference log-probabilities computed once ahead of training
+    (`model.reference: precomputed`, `lit_packing.models.reference`).
+
+    Attributes:
+        fingerprint: the split's tokenized data (source, tokenizer, settings, split, limit): it keys the cache.
+        folder: the tokenized data's cache folder, where the table is cached beside it; None for data held in
+            memory only (computed every fit).
+        pairs: how many pairs the split holds.
+        loader: this rank's share of the pairs, packed and collated as validation packs them (every rank gets as
+            many batches: a sharded model's forwards stay matched).
+    """
+
+    fingerprint: str
+    folder: str | None
+    pairs: int
+    loader: Callable[[], Iterable[Any]]
+
+
+@dataclass(frozen=True)
 class DataContract:
     """What the model and the callbacks may know of the data, published by `PackingDataModule.setup`.
 
@@ -44,6 +64,8 @@ class DataContract:
         overlap_examples: validation examples whose tokens equal a training example's.
         sources: a stream's sources as `(name, weight)`, for the share of each in the trained tokens; empty for
             the cached path.
+        pair_split: `train`, `val` or `test` -> that split's preference pairs (`PairSplit`), None where it holds
+            none; None for a stream.
     """
 
     tokenizer: Any
@@ -53,6 +75,7 @@ class DataContract:
     report: TokenizationReport | None = None
     overlap_examples: int = 0
     sources: tuple[tuple[str, float], ...] = ()
+    pair_split: Callable[[str], PairSplit | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -26,19 +26,21 @@ tokenization or model loading; a sampler's error names its parameter by its CLI 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Sampler
 
-from lit_packing._compat import set_accumulate_grad_batches, trained_batches
+from lit_packing._compat import dataset_fingerprint, set_accumulate_grad_batches, trained_batches
 from lit_packing.assets import resolve_pretrained
 from lit_packing.batch import StepShape
-from lit_packing.contract import DataContract, ModelContract
+from lit_packing.contract import DataContract, ModelContract, PairSplit
 from lit_packing.data.cached import CachedFeed, check_val_split
 from lit_packing.data.collate import PackedCollator, PaddedCollator, PairCollator
 from lit_packing.data.feed import Feed, FeedSettings, data_loader, named_settings, pad_token_id, require
@@ -277,7 +279,9 @@ class PackingDataModule(LightningDataModule):
             if self.feed not in trainer.callbacks:
                 trainer.callbacks.append(self.feed)
         if self.contract is None:
-            self.contract = self.feed.publish(stage, self.tokenizer, trainer)
+            self.contract = dataclasses.replace(
+                self.feed.publish(stage, self.tokenizer, trainer), pair_split=self._pair_split
+            )
 
     def teardown(self, stage: str) -> None:
         """Detach the feed that `setup` attached: a later fit of the same trainer aligns with its own data."""
@@ -384,6 +388,17 @@ class PackingDataModule(LightningDataModule):
         """Build the sampler once on no data, so that its own checks run now, before tokenization."""
         with named_settings(component):
             return factory(np.zeros(0, dtype=np.int64))
+
+    def _pair_split(self, split: str) -> PairSplit | None:
+        """A split's preference pairs (`train`, `val`, `test`), for reference log-probabilities computed once
+        (`model.reference: precomputed`): packed as validation packs them, cached beside its tokenized data."""
+        dataset = {"train": self.train_dataset, "val": self.val_dataset, "test": self.test_dataset}[split]
+        if dataset is None or not dataset.pairs:
+            return None
+        files = dataset.dataset.cache_files
+        folder = str(Path(files[0]["filename"]).parent) if files else None
+        loader = functools.partial(self._eval_loader, dataset)
+        return PairSplit(dataset_fingerprint(dataset.dataset), folder, len(dataset), loader)
 
     def _eval_loader(self, dataset: TokenizedDataset) -> DataLoader:
         """Whole, isolated examples in a fixed order: `val_sampler` / `val_collator`, else the training ones."""

@@ -25,16 +25,19 @@ import contextlib
 import copy
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torchmetrics
 from lightning.pytorch import Callback, LightningModule
+from tqdm.auto import tqdm
 
 from lit_packing._compat import accumulates, attached_trainer, compiled_graphs, foreach_norm
 from lit_packing.batch import LABELS, ROWS, STEP, StepShape, is_packed, model_inputs
-from lit_packing.contract import DataContract, DataModelConnection, ModelContract
+from lit_packing.contract import DataContract, DataModelConnection, ModelContract, PairSplit
 from lit_packing.cost import model_shape
 from lit_packing.errors import AssetError, ConfigError, DataError, TrainingError, check_range
 from lit_packing.models.backends import AttnBackend, VarlenImpl, precision_note, select_varlen_impl
@@ -67,6 +70,14 @@ from lit_packing.models.preference import (
     preference_metrics,
     preference_settings,
 )
+from lit_packing.models.reference import (
+    CHECKPOINT_KEY,
+    ReferenceTable,
+    read_table,
+    table_key,
+    weights_fingerprint,
+    write_table,
+)
 from lit_packing.models.selftest import check_isolation
 from lit_packing.models.sharding import (
     TENSOR_PARALLEL,
@@ -78,6 +89,7 @@ from lit_packing.models.sharding import (
     sync_gradients,
 )
 from lit_packing.models.weights import apply_umask, check_finite_weights, describe_model, weights_mismatch
+from lit_packing.text import count
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +156,11 @@ class PackedCausalLM(LightningModule):
             over every pair of the optimizer step (`loss_normalization` does not apply).
         beta: the preference objective's beta (dpo / ipo / simpo: the reward's scale; orpo: the odds-ratio weight).
         simpo_gamma_beta_ratio: SimPO's target margin, as a fraction of beta.
-        reference: where dpo / ipo take the reference log-probs from: `copy` (a frozen copy of the initial model,
-            no gradient, not saved in checkpoints) or `lora` (the model with its adapter disabled: needs `lora`).
+        reference: where dpo / ipo take the reference log-probs from: `precomputed` (default: one no-grad pass of
+            the initial model over every training and validation pair before the first step, cached beside the
+            tokenized data and kept in checkpoints; no second model; needs a `PackingDataModule`'s cached pairs;
+            see `reference.py`), `copy` (a frozen copy of the initial model, no gradient, not saved in
+            checkpoints: twice the model's memory) or `lora` (the model with its adapter disabled: needs `lora`).
         nonfinite: a NaN/inf loss or gradient: `error` (default) stops the run naming the step; `skip` drops that
             optimizer step (no update) and counts it (`train/nonfinite_steps`, the fit summary).
     """
@@ -182,7 +197,7 @@ class PackedCausalLM(LightningModule):
         objective: Literal["sft", "dpo", "ipo", "simpo", "orpo"] = "sft",
         beta: float = 0.1,
         simpo_gamma_beta_ratio: float = 0.5,
-        reference: Literal["copy", "lora"] = "copy",
+        reference: Literal["precomputed", "copy", "lora"] = "precomputed",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -205,6 +220,13 @@ class PackedCausalLM(LightningModule):
         if self.preference is not None and self.preference.needs_reference and reference == "copy":
             self._reference.append(copy.deepcopy(self.model).eval().requires_grad_(False))
             pack_model(self._reference[0], "per_example")  # a copy is a new model: through the door, on the host
+        # reference=precomputed: the initial weights' identity (before any checkpoint loads others) keys the tables,
+        # computed or read at fit start, kept by the split's data fingerprint (host) and by stage (on the device).
+        self._precomputed = bool(self.preference and self.preference.needs_reference and reference == "precomputed")
+        self._initial_weights = weights_fingerprint(self.model) if self._precomputed else None
+        self._reference_tables: dict[str, ReferenceTable] = {}
+        self._stage_tables: dict[str, tuple[ReferenceTable, str]] = {}  # stage -> (table on the device, its name)
+        self._loaded_weights = False  # a checkpoint's weights loaded: the policy is no longer the initial model
         self._metric_names: list[str] = []  # the preference metrics summed in `_step_totals` after loss and count
         self.eval_metrics = torch.nn.ModuleDict({stage: _eval_metrics() for stage in ("val", "test")})
         self._step_totals: torch.Tensor | None = None  # [token loss sum, label tokens] of this step on this rank
@@ -319,7 +341,12 @@ class PackedCausalLM(LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint of another model in one line, before Lightning loads its weights (a size mismatch
-        would otherwise end in a traceback); a LoRA run's checkpoint lacks the frozen weights by design."""
+        would otherwise end in a traceback); a LoRA run's checkpoint lacks the frozen weights by design. The
+        precomputed reference log-probs it carries are the initial model's: they are used, never computed again."""
+        self._loaded_weights = True
+        self._reference_tables.update(
+            {data: ReferenceTable(**state) for data, state in checkpoint.get(CHECKPOINT_KEY, {}).items()}
+        )
         trainer = self._trainer
         if trainer is not None and trainer.strategy.restore_checkpoint_after_setup:
             return  # FSDP loads (and removes) the weights itself, sharded: comparing would gather them on every rank
@@ -336,11 +363,102 @@ class PackedCausalLM(LightningModule):
                 "model.lora), or start a new run without --ckpt_path",
             )
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the precomputed reference log-probs (32 bytes a pair): a resume uses the initial model's."""
+        if self._reference_tables:
+            checkpoint[CHECKPOINT_KEY] = {data: table.state() for data, table in self._reference_tables.items()}
+
     def on_fit_start(self) -> None:
         self.packing.route_mixers(self.model)  # on the trainer's device now: the probe decides any kernel route
         dtype = next(self.model.parameters()).dtype  # the precision plugin's (64-true converts the policy)
         for reference in self._reference:  # a packed model like the policy, on its device
             pack_model(reference.to(device=self.device, dtype=dtype), self.attn_backend, self.device)
+        self._reference_logps("train", "val")
+
+    def on_validation_start(self) -> None:
+        if self.trainer.state.fn != "fit":  # `main.py validate`: no fit start computed the tables
+            self._reference_logps("val")
+
+    def on_test_start(self) -> None:
+        self._reference_logps("test")
+
+    def _reference_logps(self, *stages: str) -> None:
+        """reference=precomputed: each stage's table on the device, from this run's memory or a checkpoint, else
+        the cache beside the tokenized data, else one no-grad pass of the model over the split's pairs (which
+        must still be the initial model: a fit's start, before any step or checkpoint). Rank 0 decides what is
+        read, and every rank computes its share of a pass, so the ranks' forwards stay matched."""
+        if not self._precomputed:
+            return
+        pair_split = self._data.pair_split if self._data is not None else None
+        for stage in stages:
+            split = pair_split(stage) if pair_split is not None else None
+            if split is None:
+                if stage == "train":
+                    raise ConfigError(
+                        "model.reference",
+                        "precomputed computes the reference log-probs from the training pairs of a "
+                        "PackingDataModule's tokenized data (data.collator PairCollator, not streamed), and this "
+                        "fit has none",
+                        "train from a PackingDataModule with pairs, or set model.reference=copy",
+                    )
+                continue
+            table, where = self._reference_table(split, stage)
+            self._stage_tables[stage] = (table.to(self.device), where)
+
+    def _reference_table(self, split: PairSplit, stage: str) -> tuple[ReferenceTable, str]:
+        """One split's table and what names it in messages (read, or computed and cached)."""
+        trainer = self.trainer
+        key = trainer.strategy.broadcast(
+            table_key(self.hparams.name_or_path, self._initial_weights, str(trainer.precision), split.fingerprint)
+        )  # rank 0's: every rank reads or computes the same
+        path = Path(split.folder) / f"{key}.pt" if split.folder is not None else None
+        where = f"{stage} pairs, {path or 'not cached: the data is in memory'}"
+        table = self._reference_tables.get(split.fingerprint)
+        if table is not None:
+            log.info("reference log-probs (%s): %d pairs, from this run (a checkpoint, or the fit before)", where,
+                     len(table))  # fmt: skip
+            return table, where
+        found = read_table(path) if path is not None and trainer.is_global_zero else None
+        table = trainer.strategy.broadcast(found)
+        if table is not None:
+            log.info("reference log-probs (%s): %d pairs, read from the cache", where, len(table))
+        else:
+            if self._loaded_weights or self.global_step > 0:
+                raise ConfigError(
+                    "model.reference",
+                    f"precomputed: the reference log-probs of the {stage} pairs are neither in the checkpoint nor "
+                    f"cached ({path}), and the model now holds trained weights, not the initial model's",
+                    "run a fit from the initial model first (it caches them), or set model.reference=copy",
+                )
+            table = self._compute_table(split, stage)
+            if path is not None and trainer.is_global_zero:
+                write_table(table, path)
+        self._reference_tables[split.fingerprint] = table
+        return table, where
+
+    def _compute_table(self, split: PairSplit, stage: str) -> ReferenceTable:
+        """One no-grad pass of the (initial) model over this rank's share of the split's pairs, as the training
+        step computes the policy's log-probs (the same head, precision context and packing); eval mode."""
+        trainer, loader, start = self.trainer, split.loader(), time.perf_counter()
+        log.info("reference log-probs (%s pairs): computing %s with the initial model, %s on this rank "
+                 "(model.reference=precomputed; once: later fits read the cache)", stage, count(split.pairs, "pair"),
+                 count(len(loader), "batch"))  # fmt: skip
+        quiet = not trainer.is_global_zero or trainer.progress_bar_callback is None
+        training, parts = self.model.training, []
+        self.model.eval()
+        try:
+            with torch.no_grad(), self._forward_context():
+                for batch in tqdm(loader, desc=f"reference log-probs ({stage})", disable=True if quiet else None):
+                    batch = trainer.strategy.batch_to_device(batch)
+                    parts.append((batch[ROWS], pair_logps(self.loss_outputs(batch), batch)))
+        finally:
+            self.model.train(training)
+        table = ReferenceTable.of(parts).gathered(
+            lambda t: trainer.strategy.all_gather(t.to(self.device)), trainer.world_size
+        )
+        log.info("reference log-probs (%s pairs): %d computed in %.1f s", stage, len(table),
+                 time.perf_counter() - start)  # fmt: skip
+        return table
 
     def on_train_start(self) -> None:
         if self.hparams.memory_check:
@@ -458,14 +576,24 @@ class PackedCausalLM(LightningModule):
         counts as one: `label_tokens` is the number of pairs)."""
         if self.preference is None:
             return causal_lm_loss(self.loss_outputs(batch), batch, self.hparams.loss_normalization), {}
-        parts = self._preference_parts(batch)
+        parts = self._preference_parts(batch, "train")
         pairs = torch.tensor(float(len(parts.chosen_rewards)), device=parts.loss_sum.device)
         return LossParts(parts.loss_sum, pairs, parts.loss_sum, pairs), preference_metrics(parts)
 
-    def _preference_parts(self, batch: Mapping[str, Any]) -> PreferenceParts:
+    def _preference_parts(self, batch: Mapping[str, Any], stage: str) -> PreferenceParts:
         policy = pair_logps(self.loss_outputs(batch), batch)
         reference = None
-        if self.preference.needs_reference:
+        if self._precomputed:
+            if stage not in self._stage_tables:
+                raise ConfigError(
+                    "model.reference",
+                    f"precomputed: no reference log-probs for the {stage} pairs (they are computed at fit start, "
+                    "from a PackingDataModule's pairs)",
+                    "fit with a PackingDataModule, or set model.reference=copy",
+                )
+            table, where = self._stage_tables[stage]
+            reference = table.lookup(batch.get(ROWS, []), policy, where)
+        elif self.preference.needs_reference:
             with torch.no_grad():
                 if self._reference:
                     impl = "liger" if self.hparams.loss_impl == "liger" else "chunked"
@@ -549,7 +677,7 @@ class PackedCausalLM(LightningModule):
 
     def _eval_step(self, batch: Mapping[str, Any], stage: str) -> None:
         if self.preference is not None:  # the objective's mean over pairs, and how often chosen out-rewards rejected
-            parts = self._preference_parts(batch)
+            parts = self._preference_parts(batch, stage)
             loss_sum, tokens = parts.loss_sum, torch.tensor(len(parts.chosen_rewards), device=parts.loss_sum.device)
             correct = (parts.chosen_rewards > parts.rejected_rewards).sum()
         else:

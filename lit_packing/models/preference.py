@@ -39,6 +39,7 @@ from lit_packing.models.loss import HeadInputs, batch_segments, head_token_losse
 Objective = Literal["dpo", "ipo", "simpo", "orpo"]
 OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
+REFERENCES = ("precomputed", "copy", "lora")  # model.reference: where dpo / ipo take the reference log-probs from
 
 
 @dataclass(frozen=True)
@@ -162,8 +163,8 @@ def preference_settings(
     if objective == "sft":
         return None
     settings = PreferenceSettings(objective, beta, simpo_gamma_beta_ratio)
-    if reference not in ("copy", "lora"):
-        raise ConfigError("reference", f"{reference!r} is not a reference", "use copy or lora")
+    if reference not in REFERENCES:
+        raise ConfigError("reference", f"{reference!r} is not a reference", f"use {', '.join(REFERENCES)}")
     if settings.needs_reference and reference == "lora" and not lora:
         raise ConfigError("reference", "lora takes the reference from the model with its adapter disabled",
                           "set model.lora (LoraConfig kwargs) or {reference}=copy")  # fmt: skip
