@@ -141,6 +141,27 @@ def ready_batches(trainer: Any) -> int:
     return int(_get("lightning", "fit_loop.epoch_loop.batch_progress.current.ready", lambda: progress.current.ready))
 
 
+class DataParallel(NamedTuple):
+    """Where a process stands among those that train different batches."""
+
+    rank: int
+    size: int
+
+
+def data_parallel(trainer: Any) -> DataParallel:
+    """This process's data-parallel rank and their number: what the data is dealt by. Under `ModelParallelStrategy`
+    the data-parallel dim of its mesh (tensor-parallel peers train the same batches), under DDP and FSDP every
+    process, in one process (0, 1).
+
+    Lightning: `trainer.distributed_sampler_kwargs` (`num_replicas`, `rank`), what it gives its own
+    `DistributedSampler`; None for a single-device strategy. Checked on 2.6.6.
+    """
+    kwargs = getattr(trainer, "distributed_sampler_kwargs", None) or {}
+    return DataParallel(
+        int(kwargs.get("rank", trainer.global_rank)), int(kwargs.get("num_replicas", trainer.world_size))
+    )
+
+
 def accumulates(trainer: Any) -> bool:
     """Whether the training batch under way (from `on_train_batch_start` on) only accumulates its gradients: not
     the last micro-batch of its optimizer step (Lightning steps on an epoch's final batch whatever the count).

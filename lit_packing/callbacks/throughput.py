@@ -20,7 +20,7 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from rich.console import Console
 from rich.table import Table
 
-from lit_packing._compat import should_update_logs
+from lit_packing._compat import data_parallel, should_update_logs
 from lit_packing.batch import COUNTS, LENGTHS, SOURCE_TOKENS, WINDOW
 from lit_packing.contract import DataContract
 from lit_packing.cost import ModelShape, hardware_flops, model_flops, model_shape
@@ -259,10 +259,12 @@ class TokenThroughputMonitor(pl.Callback):
 def _sum_over_ranks(
     trainer: pl.Trainer, pl_module: pl.LightningModule, counts: Counter[str], names: list[str]
 ) -> dict[str, float]:
-    """`counts[name]` summed over every rank for each name: one all-reduce with several ranks, none with one."""
+    """`counts[name]` summed over every rank for each name, a batch counted once however many tensor-parallel peers
+    train it: one all-reduce with several ranks, none with one."""
     values = [float(counts[name]) for name in names]
     if trainer.world_size > 1:
+        peers = trainer.world_size // data_parallel(trainer).size  # each counted the same batches
         values = trainer.strategy.reduce(
-            torch.tensor(values, dtype=torch.float64, device=pl_module.device), reduce_op="sum"
+            torch.tensor(values, dtype=torch.float64, device=pl_module.device) / peers, reduce_op="sum"
         ).tolist()
     return dict(zip(names, values))

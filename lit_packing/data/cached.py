@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow.compute as pc
 from torch.utils.data import DataLoader
 
+from lit_packing._compat import data_parallel
 from lit_packing.batch import INDEX, INPUT_IDS, StepShape
 from lit_packing.contract import DataContract
 from lit_packing.data.encode import ROW, TOKEN_HASH
@@ -178,7 +179,7 @@ class CachedFeed(Feed):
             self.largest_step(tokenizer)  # a padding rule that cannot hold the largest pack fails here, not mid-epoch
         if trainer is not None:
             check_val_check_interval(trainer, len(self.sampler))
-        rank = trainer.global_rank if trainer is not None else 0
+        rank = data_parallel(trainer).rank if trainer is not None else 0
         collate = self.collate(tokenizer)
         return data_loader(dataset, self.sampler, collate, self.settings.num_workers, rank, self.has_position)
 

@@ -37,7 +37,7 @@ import numpy as np
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Sampler
 
-from lit_packing._compat import dataset_fingerprint, set_accumulate_grad_batches, trained_batches
+from lit_packing._compat import data_parallel, dataset_fingerprint, set_accumulate_grad_batches, trained_batches
 from lit_packing.assets import resolve_pretrained
 from lit_packing.batch import StepShape
 from lit_packing.contract import DataContract, ModelContract, PairSplit
@@ -275,7 +275,8 @@ class PackingDataModule(LightningDataModule):
         if trainer is not None and stage in (None, "fit"):
             if self._accumulate_setting is None:
                 self._accumulate_setting = trainer.accumulate_grad_batches
-            self._accumulate(accumulation(self._global_batch(), trainer.world_size, trainer.accumulate_grad_batches))
+            ranks = data_parallel(trainer).size
+            self._accumulate(accumulation(self._global_batch(), ranks, trainer.accumulate_grad_batches))
             if self.feed not in trainer.callbacks:
                 trainer.callbacks.append(self.feed)
         if self.contract is None:
@@ -342,7 +343,7 @@ class PackingDataModule(LightningDataModule):
         if trainer is not None and "world_size" in saved:
             configured = int(state_dict.get("accumulate_setting") or saved["accumulate"])
             layout = Layout(int(saved["world_size"]), int(saved["accumulate"]))
-            world, accumulate = trainer.world_size, trainer.accumulate_grad_batches
+            world, accumulate = data_parallel(trainer).size, trainer.accumulate_grad_batches
             self._accumulate(resumed_accumulation(self._global_batch(), layout, configured, world, accumulate))
         # The step saved with the position: `configure_optimizers` may build the loader (reading
         # `trainer.estimated_stepping_batches`) before Lightning restores `trainer.global_step`.
@@ -408,7 +409,7 @@ class PackingDataModule(LightningDataModule):
             chosen = getattr(self.train_sampler, "chosen", {})
             sampler = self._build_sampler("sampler", self.sampler, dataset.lengths, shuffle=False, **chosen)
         collate = (self.val_collator or self.collator)(self.pad_token_id)
-        rank = self.trainer.global_rank if self.trainer is not None else 0
+        rank = data_parallel(self.trainer).rank if self.trainer is not None else 0
         return data_loader(dataset, sampler, collate, self.num_workers, rank)
 
     def _build_sampler(
@@ -421,8 +422,8 @@ class PackingDataModule(LightningDataModule):
             trainer = self.trainer
             context = RunContext(
                 seed=self.seed,
-                rank=trainer.global_rank if trainer is not None else None,
-                world_size=trainer.world_size if trainer is not None else None,
+                rank=data_parallel(trainer).rank if trainer is not None else None,
+                world_size=data_parallel(trainer).size if trainer is not None else None,
                 accumulate=trainer.accumulate_grad_batches if trainer is not None and label_counter else None,
                 cost_coefficients=self.model_contract.cost_coefficients if self.model_contract is not None else None,
                 label_counter=label_counter,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import datasets
 import numpy as np
 
+from lit_packing._compat import data_parallel
 from lit_packing.batch import StepShape
 from lit_packing.contract import DataContract
 from lit_packing.data.feed import AutoCandidates, Feed, SamplerBuilder
@@ -83,7 +84,9 @@ class StreamFeed(Feed):
         """The training loader of the stream: each window planned by the configured sampler, connected to the run."""
 
         def layout() -> Layout:
-            return Layout(trainer.world_size, trainer.accumulate_grad_batches) if trainer is not None else Layout(1, 1)
+            if trainer is None:
+                return Layout(1, 1)
+            return Layout(data_parallel(trainer).size, trainer.accumulate_grad_batches)
 
         def make_sampler(window: Window) -> PlannedBatchSampler:
             sampler = build(window.lengths, window.count_labels)

@@ -80,13 +80,16 @@ from lit_packing.models.reference import (
 )
 from lit_packing.models.selftest import check_isolation
 from lit_packing.models.sharding import (
-    TENSOR_PARALLEL,
+    clip_grad_norm,
+    data_parallel_mesh,
     full_state_dict,
     is_sharded,
     local_tensor,
     shard_count,
     shard_model,
     sync_gradients,
+    tensor_parallel_plan,
+    tensor_parallel_size,
 )
 from lit_packing.models.weights import apply_umask, check_finite_weights, describe_model, weights_mismatch
 from lit_packing.text import count
@@ -302,24 +305,22 @@ class PackedCausalLM(LightningModule):
             self._compiled = True
 
     def configure_model(self) -> None:
-        """Under `ModelParallelStrategy`: shard every decoder layer, then the root, with FSDP2 over the strategy's
-        data-parallel mesh (`sharding.shard_model`); with any other strategy nothing (Lightning wraps the model)."""
+        """Under `ModelParallelStrategy`: split attention heads and MLP columns over the strategy's tensor-parallel
+        ranks when it has several, then shard every decoder layer, then the root, with FSDP2 over its data-parallel
+        mesh (`sharding.shard_model`); with any other strategy nothing (Lightning wraps the model)."""
         mesh = getattr(self, "_device_mesh", None)  # set by ModelParallelStrategy only
         if mesh is None or is_sharded(self.model):
             return
-        if mesh[TENSOR_PARALLEL].size() > 1:
-            raise ConfigError(
-                "trainer.strategy.init_args.tensor_parallel_size",
-                f"{mesh[TENSOR_PARALLEL].size()} is not supported yet: packed rows are sharded over data-parallel "
-                "ranks only (FSDP2)",
-                "set tensor_parallel_size=1 and data_parallel_size to the world size",
-            )
+        tp = tensor_parallel_size(mesh)
+        if tp > 1:
+            tensor_parallel_plan(self.model, tp)  # refused before any collective
         if self.hparams.model_config is not None:
             self._broadcast_initial_weights()
         plan = shard_model(self.model, mesh, str(self.trainer.precision))
         log.info(
-            "FSDP2: %d %s layers and the root sharded over %d data-parallel ranks",
-            len(plan.layers), plan.layer_class, shard_count(mesh),
+            "FSDP2: %d %s layers and the root sharded over %d data-parallel ranks%s",
+            len(plan.layers), plan.layer_class, data_parallel_mesh(mesh).size(),
+            f", attention heads and MLP columns split over {tp} tensor-parallel ranks" if tp > 1 else "",
         )  # fmt: skip
 
     def _broadcast_initial_weights(self) -> None:
@@ -634,6 +635,19 @@ class PackedCausalLM(LightningModule):
         self.log("train/loss", totals[0] / totals[1].clamp_min(1), prog_bar=True, on_step=True, on_epoch=False)
         for name, total in zip(self._metric_names, totals[2:]):  # preference metrics: means over the step's pairs
             self.log(f"train/{name}", total / totals[1].clamp_min(1), on_step=True, on_epoch=False)
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Sharded, clip by the norm of the whole gradient (`sharding.clip_grad_norm`: torch's own cannot combine
+        the norms of tensor-parallel and replicated DTensor gradients); otherwise as Lightning does."""
+        if is_sharded(self.model) and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+            clip_grad_norm(self.parameters(), gradient_clip_val)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def _finite_step(self, loss_sum: torch.Tensor) -> bool:
         """Whether this optimizer step's loss and gradients are finite (one host sync); if not, raise a

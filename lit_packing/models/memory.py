@@ -313,9 +313,10 @@ def saved_activation_bytes(lm: Any, length: int, padded: bool) -> int:
     seen: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        # Sharded, a layer's gathered parameters are its module's parameters while it runs: weights, not activations.
-        gathered = {p.untyped_storage().data_ptr() for p in lm.parameters() if p is local_tensor(p)} if sharded else ()
+        storage = local_tensor(tensor).untyped_storage()  # with tensor parallel, a split tensor: this rank's part
+        # Sharded, a layer's gathered parameters are its module's parameters while it runs (with tensor parallel,
+        # DTensors of this rank's split): weights, not activations.
+        gathered = {local_tensor(p).untyped_storage().data_ptr() for p in lm.parameters()} if sharded else ()
         if storage.data_ptr() not in weights and storage.data_ptr() not in gathered and tensor.device.type != "meta":
             seen[storage.data_ptr()] = storage.nbytes()
         # Detached: a hook that returns a saved output itself ties it to its own graph node, a reference cycle

@@ -1,6 +1,7 @@
-"""FSDP2 for a packed model: `fully_shard` each decoder layer, then the root, on a device mesh's data-parallel dim.
+"""FSDP2 for a packed model: `fully_shard` each decoder layer, then the root, on a device mesh's data-parallel dim,
+after splitting attention heads and MLP columns over its tensor-parallel dim when that dim has several ranks.
 
-    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
     shard_model(model, mesh, precision="bf16-mixed")   # in place; PackedCausalLM.configure_model does this
     sync_gradients(model, last=False)                   # a micro-batch that accumulates: no reduce-scatter
 
@@ -11,18 +12,31 @@ ranks (`set_gradient_divide_factor(1)`, sum-only collectives): the loss is alrea
 global label count, so a sum is the step's gradient, set explicitly rather than left to the backend's default
 (FSDP2 over gloo has been reported to sum where NCCL averages).
 
+Tensor parallel (`tensor_parallel_plan`) follows the model's own plan, transformers' `base_model_tp_plan` (Llama: q,
+k, v and the MLP's gate and up projections column-wise, o and down projections row-wise), applied with torch's
+`parallelize_module` before FSDP2 shards over the data-parallel sub-mesh (2-D: each parameter a DTensor sharded on
+both dims). Each rank's attention then runs its own heads on the whole packed row: a column-wise projection's
+output is the local heads' columns, which the attention reshapes with -1 heads, and the row-wise projection after it
+sums the heads' contributions over the tensor-parallel ranks. The embeddings, norms and LM head stay whole on every
+tensor-parallel rank (replicated, sharded over data-parallel ranks only), so the loss, which reads the final hidden
+states and the head's weight, runs as without tensor parallel. Tensor-parallel peers train the same batches (the
+data is dealt by data-parallel rank), so a replicated parameter's gradient is already the same on each.
+
 Mixed precision follows the trainer's precision: `bf16-mixed` gathers bf16 parameters and reduces gradients in
 fp32 (`16-mixed` likewise with fp16); the sharded parameters and the optimizer state stay in their own dtype.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import math
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lit_packing.errors import ConfigError
 
@@ -30,6 +44,12 @@ DATA_PARALLEL = "data_parallel"  # Lightning's ModelParallelStrategy names its m
 TENSOR_PARALLEL = "tensor_parallel"
 # Trainer precision -> the dtype FSDP2 gathers parameters in (gradients are reduced in fp32 whenever it is set).
 PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+TP_SIZE_SETTING = "trainer.strategy.init_args.tensor_parallel_size"
+# transformers' names of the tensor-parallel styles in a config's `base_model_tp_plan` -> torch's style: the two a
+# dense decoder's plan is made of (output split by columns, which the next op reads as local heads or local MLP
+# columns; input split likewise, output summed over the ranks). Any other (norms whose gradients must be summed over
+# the heads, experts, packed projections) is refused rather than run unsplit.
+TP_STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
 class ShardPlan(NamedTuple):
@@ -76,10 +96,55 @@ def shard_plan(model: torch.nn.Module) -> ShardPlan:
     return ShardPlan(outer, layer_class)
 
 
+def tensor_parallel_plan(model: torch.nn.Module, size: int) -> dict[str, ParallelStyle]:
+    """`model`'s own tensor-parallel plan (its config's `base_model_tp_plan`, module names relative to the
+    transformers base model, `*` for each layer index) as torch's styles, checked for `size` ranks.
+
+    Raises:
+        ConfigError: (naming `trainer.strategy.init_args.tensor_parallel_size` and the model family) the family
+            has no plan, the plan holds a style not in `TP_STYLES`, the attention or key/value heads do not divide
+            by `size`, or the model carries LoRA adapters (their layers are not the plain linears a style splits).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config.get_text_config()
+    family = config.model_type
+
+    def refuse(problem: str, fix: str) -> ConfigError:
+        return ConfigError(TP_SIZE_SETTING, f"{size} on {family}: {problem}", fix)
+
+    one = "set it to 1 (data_parallel_size to the world size)"
+    if base is not model:
+        raise refuse("a LoRA model's adapted layers are not split by tensor parallel", f"{one}, or drop model.lora")
+    plan = getattr(config, "base_model_tp_plan", None)
+    if not plan:
+        raise refuse("the model family has no tensor-parallel plan (`base_model_tp_plan`)", one)
+    unknown = sorted({style for style in plan.values() if style not in TP_STYLES})
+    if unknown:
+        raise refuse(
+            f"its plan holds tensor-parallel styles {', '.join(map(repr, unknown))} that are not handled (only "
+            f"{', '.join(TP_STYLES)})",
+            one,
+        )
+    heads = {"attention heads": config.num_attention_heads,
+             "key/value heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}  # fmt: skip
+    for what, count in heads.items():
+        if count % size:
+            raise refuse(f"its {count} {what} do not divide into {size} equal groups", "use a size that divides them")
+    return {name: TP_STYLES[style]() for name, style in plan.items()}
+
+
+def tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
+    """Split `model`'s base model over the 1-D `tp_mesh` by `tensor_parallel_plan`, in place; returns that plan."""
+    plan = tensor_parallel_plan(model, tp_mesh.size())
+    parallelize_module(model.base_model, tp_mesh, plan)
+    return plan
+
+
 def shard_model(
     model: torch.nn.Module, mesh: DeviceMesh, precision: str, reshard_after_forward: bool = True
 ) -> ShardPlan:
-    """`fully_shard` every decoder layer of `model` (`shard_plan`), then the root, over `mesh`'s data-parallel
+    """With several tensor-parallel ranks in `mesh`, split `model` over them (`tensor_parallel`); then
+    `fully_shard` every decoder layer of `model` (`shard_plan`), then the root, over `mesh`'s data-parallel
     dim, in place; gradients reduced as a sum (see the module docstring). Returns the plan it applied.
 
     Args:
@@ -92,6 +157,8 @@ def shard_model(
             all-gather per layer.
     """
     plan = shard_plan(model)
+    if tensor_parallel_size(mesh) > 1:
+        tensor_parallel(model, mesh[TENSOR_PARALLEL])
     dp_mesh = data_parallel_mesh(mesh)
     policy = mixed_precision_policy(precision)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -115,9 +182,17 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh[DATA_PARALLEL] if DATA_PARALLEL in names and mesh.ndim > 1 else mesh
 
 
+def tensor_parallel_size(mesh: DeviceMesh) -> int:
+    """The ranks of Lightning's tensor-parallel dim (1 on a mesh without one)."""
+    return mesh[TENSOR_PARALLEL].size() if TENSOR_PARALLEL in (mesh.mesh_dim_names or ()) else 1
+
+
 def shard_count(mesh: DeviceMesh | None) -> int:
-    """Over how many ranks each parameter, its gradient and its optimizer state are split (1 without a mesh)."""
-    return 1 if mesh is None else data_parallel_mesh(mesh).size()
+    """Over how many ranks each parameter, its gradient and its optimizer state are split (1 without a mesh): the
+    data-parallel ranks times the tensor-parallel ones. With tensor parallel this counts the replicated embeddings,
+    norms and LM head as split too (they are over the data-parallel ranks only): what the memory estimate divides
+    by, and says so."""
+    return 1 if mesh is None else data_parallel_mesh(mesh).size() * tensor_parallel_size(mesh)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -133,10 +208,32 @@ def sync_gradients(model: torch.nn.Module, last: bool) -> None:
         model.set_is_last_backward(last)
 
 
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale the gradients of a sharded model's `parameters` to a global 2-norm of at most `max_norm`, in place;
+    returns the norm before clipping (the same on every rank).
+
+    torch's `clip_grad_norm_` stacks every gradient's norm into one tensor, which DTensors refuse across meshes: with
+    tensor parallel, the split weights live on the 2-D mesh and the replicated ones (embeddings, norms) on the
+    data-parallel sub-mesh. Here each mesh's gradients give one norm (a DTensor whose placements say how its shards
+    combine), made whole with one all-reduce per mesh (`full_tensor`), so a replicated gradient counts once, not
+    once per tensor-parallel rank."""
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for param in parameters:
+        if param.grad is not None:
+            by_mesh.setdefault(param.grad.device_mesh if isinstance(param.grad, DTensor) else None, []).append(param)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in by_mesh.values()]
+    whole = [norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms]
+    total = torch.linalg.vector_norm(torch.stack(whole))
+    for group in by_mesh.values():  # one foreach scaling per mesh: torch's foreach ops take a single mesh
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
 def gathered_parameter_bytes(model: torch.nn.Module, mixed: bool) -> int:
     """What a sharded model holds whole at once beyond its shards: the root's parameters (embeddings, final norm, LM
     head: gathered from the forward to the backward) and two decoder layers' (the one running and the one gathered
-    ahead of it), in the dtype they are gathered in (2 bytes under mixed precision).
+    ahead of it), in the dtype they are gathered in (2 bytes under mixed precision); with tensor parallel, a layer's
+    split weights count this rank's part (`gathered_numel`).
 
     >>> layer = torch.nn.Linear(4, 4, bias=False)            # 16 parameters
     >>> model = torch.nn.Sequential(torch.nn.Embedding(10, 4), layer)
@@ -148,12 +245,23 @@ def gathered_parameter_bytes(model: torch.nn.Module, mixed: bool) -> int:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
 
     def size(params) -> int:
-        return sum(p.numel() * (2 if mixed and p.is_floating_point() else p.element_size()) for p in params)
+        return sum(gathered_numel(p) * (2 if mixed and p.is_floating_point() else p.element_size()) for p in params)
 
     layers = [size(base.get_submodule(name).parameters()) for name in plan.layers]
     in_layers = {id(p) for name in plan.layers for p in base.get_submodule(name).parameters()}
     root = size(p for p in model.parameters() if id(p) not in in_layers)
     return root + 2 * max(layers)
+
+
+def gathered_numel(param: torch.Tensor) -> int:
+    """How many elements of `param` FSDP2's all-gather holds on a rank: the whole parameter, divided by the ranks
+    of every other mesh dim it is sharded on (tensor parallel's)."""
+    if not isinstance(param, DTensor):
+        return param.numel()
+    mesh, names = param.device_mesh, param.device_mesh.mesh_dim_names or ()
+    split = [mesh.size(dim) for dim, placement in enumerate(param.placements)
+             if placement.is_shard() and names[dim : dim + 1] != (DATA_PARALLEL,)]  # fmt: skip
+    return param.numel() // math.prod(split)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lit_packing._compat import accumulates
 from lit_packing.batch import attach_step
 from lit_packing.data.collate import PackedCollator
 from lit_packing.models import PackedCausalLM
-from lit_packing.models.sharding import local_tensor
 from tests.helpers import TINY_LLAMA, make_examples
 
 STEPS = 3
@@ -67,8 +67,12 @@ class Recorder(Callback):
         dist.reduce_scatter_single = counted  # FSDP2's default ReduceScatter calls it by this name
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        local = sum(local_tensor(p.grad).double().pow(2).sum() for p in pl_module.parameters() if p.grad is not None)
-        total = trainer.strategy.reduce(local, reduce_op="sum") if trainer.world_size > 1 else local
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if any(isinstance(g, DTensor) for g in grads):  # each the whole gradient's norm on every rank (collectives)
+            total = sum(torch.linalg.vector_norm(g.double()).full_tensor() ** 2 for g in grads)
+        else:  # DDP: each rank's copy, summed over the ranks
+            local = sum(g.double().pow(2).sum() for g in grads)
+            total = trainer.strategy.reduce(local, reduce_op="sum") if trainer.world_size > 1 else local
         self.grad_norms.append(float(total.sqrt()))
         self.reduce_scatters.append(self.calls)
         self.calls = 0
@@ -91,9 +95,12 @@ def full_weights(lm: PackedCausalLM) -> dict[str, torch.Tensor]:
 
 
 def main(settings: dict) -> None:
-    devices = settings.get("devices", 1)
-    kind = settings.get("strategy", "auto")
-    strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1) if kind == "fsdp2" else kind
+    devices, tp = settings.get("devices", 1), settings.get("tensor_parallel", 1)
+    kind, data_parallel = settings.get("strategy", "auto"), devices // tp
+    if kind == "fsdp2":
+        strategy = ModelParallelStrategy(data_parallel_size=data_parallel, tensor_parallel_size=tp)
+    else:
+        strategy = kind
     torch.manual_seed(0)
     lm = PackedCausalLM(
         model_config=TINY_LLAMA, lora=settings.get("lora"),
@@ -101,13 +108,15 @@ def main(settings: dict) -> None:
     )  # fmt: skip
     recorder = Recorder()
     trainer = Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=4 // devices,
-        gradient_clip_val=settings.get("clip", CLIP), precision="32-true", callbacks=[recorder],
-        use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, log_every_n_steps=1,
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS,
+        accumulate_grad_batches=4 // data_parallel, gradient_clip_val=settings.get("clip", CLIP), precision="32-true",
+        callbacks=[recorder], use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
     )  # fmt: skip
-    # Each rank's own micro-batches (no distributed sampler): rank r trains micro-batches r and r + 2 of a step.
-    mine = micro_batches()[trainer.global_rank :: trainer.world_size]
+    # Each data-parallel rank's own micro-batches (no distributed sampler): data-parallel rank r trains micro-batches
+    # r and r + 2 of a step (all 4 with one). Lightning's mesh is (data, tensor) in row-major order: global rank g is
+    # data-parallel rank g // tp, and its tensor-parallel peers train the same micro-batches.
+    mine = micro_batches()[trainer.global_rank // tp :: data_parallel]
     trainer.fit(lm, DataLoader(mine, batch_size=None, collate_fn=lambda b: b))
     weights = full_weights(lm)
     if trainer.is_global_zero:

@@ -13,12 +13,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lit_packing.batch import StepShape
 from lit_packing.errors import ConfigError
@@ -27,10 +30,15 @@ from lit_packing.models.loading import apply_lora
 from lit_packing.models.memory import MemoryModel
 from lit_packing.models.sharding import (
     gathered_parameter_bytes,
+    is_sharded,
+    local_tensor,
     mixed_precision_policy,
     shard_count,
+    shard_model,
     shard_plan,
+    tensor_parallel_plan,
 )
+from tests.conftest import TINY_CONFIGS
 from tests.helpers import TINY_LLAMA, tiny_model
 
 ROOT = Path(__file__).parents[2]
@@ -42,6 +50,7 @@ DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RA
 # near AdamW's eps, where a summation order's rounding moves the update most; 1e-5 elsewhere). A gradient summed
 # where it should be averaged (or the reverse) doubles (halves) every gradient norm; a per-rank mean moves them by %.
 LOSS_ATOL, NORM_RTOL, WEIGHT_ATOL = 2e-5, 1e-4, 1e-3
+MESH_DIMS = ("data_parallel", "tensor_parallel")  # Lightning's ModelParallelStrategy names them so
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -100,20 +109,112 @@ def fake_world():
     dist.destroy_process_group()
 
 
-def test_the_shard_count_is_the_data_parallel_dimension_of_lightnings_mesh(fake_world):
-    names = ("data_parallel", "tensor_parallel")
-    assert shard_count(init_device_mesh("cpu", (4, 1), mesh_dim_names=names)) == 4
-    assert shard_count(init_device_mesh("cpu", (2, 2), mesh_dim_names=names)) == 2
+def test_the_shard_count_is_every_rank_of_lightnings_mesh(fake_world):
+    """Data-parallel ranks times tensor-parallel ones: what the memory estimate says it divides by."""
+    assert shard_count(init_device_mesh("cpu", (4, 1), mesh_dim_names=MESH_DIMS)) == 4
+    assert shard_count(init_device_mesh("cpu", (2, 2), mesh_dim_names=MESH_DIMS)) == 4
     assert shard_count(None) == 1
 
 
-def test_tensor_parallel_is_refused_naming_its_setting(fake_world):
+def test_the_tensor_parallel_plan_is_the_models_own_in_torchs_styles():
+    plan = tensor_parallel_plan(tiny_model(TINY_LLAMA), 2)
+    columns = [f"layers.*.{name}" for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                               "mlp.gate_proj", "mlp.up_proj")]  # fmt: skip
+    assert {name for name, style in plan.items() if type(style) is ColwiseParallel} == set(columns)
+    assert {name for name, style in plan.items() if type(style) is RowwiseParallel} == {
+        "layers.*.self_attn.o_proj",
+        "layers.*.mlp.down_proj",
+    }
+
+
+QWEN3 = {**TINY_CONFIGS["qwen2"], "model_type": "qwen3", "head_dim": 16}
+GPT2 = {"model_type": "gpt2", "vocab_size": 1000, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}
+
+
+@pytest.mark.parametrize(
+    "config, size, lora, problem",
+    [(GPT2, 2, None, "gpt2: the model family has no tensor-parallel plan"),
+     (TINY_CONFIGS["gpt_neox"], 2, None, "gpt_neox: its plan holds tensor-parallel styles 'embedding_rowwise'"),
+     (QWEN3, 2, None, "qwen3: its plan holds tensor-parallel styles 'replicated_with_grad_allreduce'"),
+     (TINY_LLAMA, 3, None, "llama: its 4 attention heads do not divide into 3"),
+     (TINY_LLAMA, 4, None, "llama: its 2 key/value heads do not divide into 4"),
+     (TINY_LLAMA, 2, LORA, "llama: a LoRA model's adapted layers are not split")],
+)  # fmt: skip
+def test_tensor_parallel_is_refused_in_one_line_naming_its_setting_and_the_family(config, size, lora, problem):
+    model = tiny_model(config)
+    model = apply_lora(model, lora) if lora else model
+    with pytest.raises(ConfigError) as error:
+        tensor_parallel_plan(model, size)
+    message = str(error.value)
+    assert message.startswith(f"trainer.strategy.init_args.tensor_parallel_size: {size} on {problem}")
+    assert "\n" not in message
+
+
+def test_2_by_2_splits_heads_and_mlp_columns_over_tensor_parallel_and_shards_all_over_data_parallel(fake_world):
+    """Column-wise weights split by rows (their output features: heads, MLP columns), row-wise by columns, each on
+    the 2-D mesh; the rest whole on each tensor-parallel rank, on the data-parallel sub-mesh."""
+    model = tiny_model(TINY_LLAMA)
+    shard_model(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=MESH_DIMS), "32-true")
+    params = dict(model.named_parameters())
+    attention = "model.layers.0.self_attn"
+    assert local_tensor(params[f"{attention}.q_proj.weight"]).shape == (4 * 16 // 2 // 2, 64)  # 2 of 4 heads, halved
+    assert local_tensor(params[f"{attention}.k_proj.weight"]).shape == (2 * 16 // 2 // 2, 64)  # 1 of 2 kv heads
+    assert local_tensor(params[f"{attention}.o_proj.weight"]).shape == (64 // 2, 64 // 2)
+    assert local_tensor(params["model.layers.0.mlp.down_proj.weight"]).shape == (64 // 2, 128 // 2)
+    for name in (
+        f"{attention}.q_proj.weight",
+        "model.layers.1.mlp.up_proj.weight",
+        "model.layers.1.mlp.down_proj.weight",
+    ):
+        assert params[name].device_mesh.mesh_dim_names == MESH_DIMS
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight"):
+        assert params[name].device_mesh.mesh_dim_names == ("data_parallel",)
+        assert local_tensor(params[name]).shape[0] == params[name].shape[0] // 2
+    # Gathered over the data-parallel ranks: the root whole, a layer's split weights half.
+    layer = sum(p.numel() for p in tiny_model(TINY_LLAMA).model.layers[0].parameters())
+    norms = 2 * 64
+    assert gathered_parameter_bytes(model, mixed=False) == 4 * (49152 * 64 + 64 + 2 * ((layer - norms) // 2 + norms))
+
+
+def test_configure_model_refuses_tensor_parallel_before_any_collective(fake_world):
     lm = PackedCausalLM(model_config=TINY_LLAMA, isolation_check=False)
-    lm._device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    lm._device_mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=MESH_DIMS)
     with pytest.raises(ConfigError) as error:
         lm.configure_model()
     message = str(error.value)
-    assert "tensor_parallel_size" in message and "\n" not in message
+    assert "tensor_parallel_size: 4 on llama" in message and "key/value heads" in message and "\n" not in message
+    assert not is_sharded(lm.model)
+
+
+def test_data_is_dealt_by_data_parallel_rank_so_tensor_parallel_peers_train_the_same_batches():
+    """Global rank 3 of a 2 x 2 mesh is data-parallel rank 1 of 2 (Lightning's `distributed_sampler_kwargs`);
+    without a parallel strategy, rank 0 of 1."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lit_packing._compat import data_parallel
+
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
+    try:
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
+        strategy._device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=MESH_DIMS)
+        trainer = SimpleNamespace(distributed_sampler_kwargs=strategy.distributed_sampler_kwargs, global_rank=3,
+                                  world_size=4)  # fmt: skip
+        assert data_parallel(trainer) == (1, 2)
+    finally:
+        dist.destroy_process_group()
+    assert data_parallel(SimpleNamespace(distributed_sampler_kwargs=None, global_rank=0, world_size=1)) == (0, 1)
+
+
+def test_throughput_counts_a_batch_once_however_many_tensor_parallel_peers_train_it():
+    """4 ranks, 2 x 2: the sum over all 4 of the 2 peers' equal counts is the 2 data-parallel ranks' sum."""
+    from lit_packing.callbacks.throughput import _sum_over_ranks
+
+    strategy = SimpleNamespace(reduce=lambda tensor, reduce_op: tensor * 4)  # 4 ranks holding the same counts
+    trainer = SimpleNamespace(world_size=4, global_rank=3, strategy=strategy,
+                              distributed_sampler_kwargs={"num_replicas": 2, "rank": 1})  # fmt: skip
+    summed = _sum_over_ranks(trainer, SimpleNamespace(device="cpu"), Counter(real_tokens=100), ["real_tokens"])
+    assert summed == {"real_tokens": 200.0}
 
 
 def test_gathered_bytes_are_the_root_and_two_layers_in_the_gather_dtype():
@@ -155,13 +256,15 @@ def env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory) -> dict[str, dict]:
-    """The same 3 optimizer steps, run at once: 1 process, 2-rank DDP, 2-rank FSDP2; LoRA with activation
-    checkpointing on 1 process and FSDP2. Each run's {"losses", "grad_norms", "reduce_scatters", "weights"}."""
+    """The same 3 optimizer steps, run at once: 1 process, 2-rank DDP, 2-rank FSDP2, 2 x 2 (data x tensor
+    parallel) on 4 ranks; LoRA with activation checkpointing on 1 process and FSDP2. Each run's {"losses",
+    "grad_norms", "reduce_scatters", "weights"}."""
     tmp = tmp_path_factory.mktemp("sharded")
     settings = {
         "one": {"devices": 1},
         "ddp": {"devices": 2, "strategy": "ddp"},
         "fsdp2": {"devices": 2, "strategy": "fsdp2"},
+        "tp": {"devices": 4, "strategy": "fsdp2", "tensor_parallel": 2},
         "one_lora": {"devices": 1, "lora": LORA},
         "fsdp2_lora": {"devices": 2, "strategy": "fsdp2", "lora": LORA, "gradient_checkpointing": True},
     }
@@ -193,6 +296,22 @@ def test_fsdp2_trains_the_steps_of_ddp_and_of_one_process(fits, other):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("other", ["ddp", "fsdp2"])
+def test_2_by_2_data_and_tensor_parallel_trains_the_steps_of_ddp_and_of_fsdp2(fits, other):
+    """Each pair of tensor-parallel peers trains one data-parallel rank's micro-batches, its heads and MLP columns
+    split: the losses, the whole gradient's norm (clipping at every step) and the final weights of 2-rank DDP and
+    2-rank FSDP2, within the fp32 tolerances above (measured against DDP: losses 2.4e-6, norms 1.1e-5 relative,
+    weights 2.1e-4, in the embedding rows as FSDP2's; against FSDP2: 4e-7, 3e-7, 2.6e-5). A replicated weight's
+    gradient summed over the tensor-parallel peers would be doubled, a loss normalised over all 4 ranks halved."""
+    tp, expected = fits["tp"], fits[other]
+    assert tp["losses"] == pytest.approx(expected["losses"], abs=LOSS_ATOL)
+    scale = 2**0.5 if other == "ddp" else 1.0
+    assert [n * scale for n in tp["grad_norms"]] == pytest.approx(expected["grad_norms"], rel=NORM_RTOL)
+    assert max_weight_diff(tp["weights"], expected["weights"]) < WEIGHT_ATOL
+    assert tp["reduce_scatters"] == [3, 3, 3]  # over the data-parallel ranks: 2 layers + the root, once a step
+
+
+@pytest.mark.slow
 def test_ddp_on_the_same_packs_trains_the_steps_of_one_process(fits):
     """The yardstick: DDP and one process agree (so FSDP2 agreeing with both means it trains what DDP does)."""
     assert fits["ddp"]["losses"] == pytest.approx(fits["one"]["losses"], abs=LOSS_ATOL)
@@ -216,8 +335,9 @@ def test_lora_with_activation_checkpointing_sharded_trains_the_adapters_of_one_p
     assert max_weight_diff(sharded["weights"], one["weights"]) < WEIGHT_ATOL
 
 
-def cli_fit(tmp: Path, name: str, *extra: str) -> list[str]:
-    """The paper's config on 2 CPU ranks, shrunk to a tiny model, 96 chats and 4 steps, the loss logged each step."""
+def cli_fit(tmp: Path, name: str, *extra: str, devices: int = 2) -> list[str]:
+    """The paper's config on `devices` CPU ranks, shrunk to a tiny model, 96 chats and 4 steps, the loss logged each
+    step."""
     from tests.conftest import TINY
 
     logger = {"class_path": "CSVLogger", "init_args": {"save_dir": str(tmp), "name": name, "version": 0}}
@@ -226,7 +346,7 @@ def cli_fit(tmp: Path, name: str, *extra: str) -> list[str]:
         f"--model.model_config={json.dumps(TINY)}", "--model.lr=1e-3", "--model.warmup_steps=0",
         "--data.limit=96", "--data.val_split=16", "--data.max_length=512",
         "--data.sampler.init_args.max_tokens=2048", "--trainer.max_steps=4", "--trainer.limit_val_batches=0",
-        "--trainer.log_every_n_steps=1", "--trainer.accelerator=cpu", "--trainer.devices=2",
+        "--trainer.log_every_n_steps=1", "--trainer.accelerator=cpu", f"--trainer.devices={devices}",
         "--trainer.precision=32-true", "--trainer.enable_checkpointing=false",
         f"--trainer.default_root_dir={tmp}", f"--trainer.logger={json.dumps(logger)}",
     ]  # fmt: skip
@@ -239,10 +359,14 @@ def logged_losses(folder: Path) -> list[float]:
 
 @pytest.mark.slow
 def test_the_paper_config_with_the_fsdp2_delta_trains_the_ddp_runs_losses(tmp_path):
-    """`--config paper --config fsdp2 --trainer.devices=2` against the same command with DDP: the same packs from
-    the packing sampler, the memory estimate and the isolation self-test under sharding, the same losses."""
+    """`--config paper --config fsdp2 --trainer.devices=2`, and 2 x 2 (data x tensor parallel) on 4 ranks, against
+    the same command with DDP: the same packs from the packing sampler (dealt by data-parallel rank: tensor-parallel
+    peers train the same ones), the memory estimate and the isolation self-test under sharding, the same losses
+    (2 x 2 measured within 8e-7 of DDP)."""
+    tp = ("--trainer.strategy.init_args.data_parallel_size=2", "--trainer.strategy.init_args.tensor_parallel_size=2")
     runs = {
         "fsdp2": cli_fit(tmp_path, "fsdp2", "--config", "fsdp2"),
+        "tp": cli_fit(tmp_path, "tp", "--config", "fsdp2", *tp, devices=4),
         "ddp": cli_fit(tmp_path, "ddp", "--trainer.strategy=ddp"),
     }
     pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -251,9 +375,12 @@ def test_the_paper_config_with_the_fsdp2_delta_trains_the_ddp_runs_losses(tmp_pa
     for name, process in started.items():
         assert process.returncode == 0, out[name][-4000:]
     assert "divided over 2 shards" in out["fsdp2"] and "isolation self-test passed" in out["fsdp2"]
+    assert "split over 2 tensor-parallel ranks" in out["tp"] and "divided over 4 shards" in out["tp"]
+    assert "isolation self-test passed" in out["tp"]
     fsdp2, ddp = logged_losses(tmp_path / "fsdp2" / "version_0"), logged_losses(tmp_path / "ddp" / "version_0")
     assert len(fsdp2) == 4
     assert fsdp2 == pytest.approx(ddp, abs=LOSS_ATOL)
+    assert logged_losses(tmp_path / "tp" / "version_0") == pytest.approx(ddp, abs=LOSS_ATOL)
 
 
 @pytest.mark.slow
