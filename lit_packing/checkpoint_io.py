@@ -13,6 +13,11 @@ name (`.last.ckpt.partial`) only once flushed and `fsync`ed, and is renamed over
 `rename`, atomic on a POSIX filesystem). Where `O_TMPFILE` is not supported (NFS, some parallel filesystems) the
 hidden name is written directly; a killed save leaves it, and the next save of that checkpoint removes it.
 
+A distributed checkpoint (a folder of shards, `strategies.ShardedStrategy`) is written whole under the hidden name
+by every rank, then takes the checkpoint's name by renames (`replace_folder`): Lightning's own writer rewrites the
+folder in place, so a save killed part-way left new shards beside the previous `meta.pt`, a checkpoint that reads
+as complete and holds two steps' weights.
+
 A full disk (`ENOSPC`, or a quota) is named before writing, from the checkpoint's tensor bytes and the folder's
 free space, or when the write fails: `CheckpointSpaceError`, one line with the folder and the space needed, the
 previous checkpoint untouched. Paths of other filesystems (`s3://...`) go through Lightning's writer unchanged.
@@ -84,7 +89,7 @@ def write_atomically(checkpoint: dict[str, Any], path: Path, open_partial=open_p
     """
     folder = path.parent
     folder.mkdir(parents=True, exist_ok=True)
-    partial = folder / f".{path.name}{PARTIAL_SUFFIX}"
+    partial = hidden(path, PARTIAL_SUFFIX)
     partial.unlink(missing_ok=True)  # what a killed save left where O_TMPFILE is not supported
     needed = tensor_bytes(checkpoint)
     if shutil.disk_usage(folder).free < needed:
@@ -104,6 +109,59 @@ def write_atomically(checkpoint: dict[str, Any], path: Path, open_partial=open_p
             raise CheckpointSpaceError(no_room(path, needed)) from None
         raise
     _fsync_folder(folder)  # the rename itself survives a power cut
+
+
+OLD_SUFFIX = ".old"  # `.last.ckpt.old`: a distributed checkpoint's previous folder while the new one takes its name
+
+
+def hidden(path: Path, suffix: str) -> Path:
+    """`runs/checkpoints/.last.ckpt<suffix>`: a name beside `path` that no checkpoint search takes for one."""
+    return path.parent / f".{path.name}{suffix}"
+
+
+def replace_folder(partial: Path, path: Path) -> None:
+    """Give the complete folder `partial` the name `path`, where the previous checkpoint (a folder or a file) may be.
+
+    A folder cannot be renamed over a non-empty one, so the previous one first steps aside (`hidden(path,
+    OLD_SUFFIX)`), then `partial` takes its name, then the previous one is deleted. A kill between the two renames
+    leaves no `path` but the previous checkpoint whole under its hidden name: `clear_leftovers` puts it back.
+    """
+    old = hidden(path, OLD_SUFFIX)
+    remove(old)
+    for file in partial.iterdir():  # on disk before the name says complete (the shards' writer syncs its own)
+        if file.is_file():
+            with open(file, "rb") as opened:
+                os.fsync(opened.fileno())
+    if path.exists():
+        os.replace(path, old)
+    os.replace(partial, path)
+    _fsync_folder(path.parent)
+    remove(old)
+
+
+def clear_leftovers(folder: Path) -> list[Path]:
+    """Undo what saves killed part-way left in `folder`: a partial checkpoint (`.<name>.ckpt.partial`, a file or a
+    folder) is deleted; a previous checkpoint that stepped aside (`.<name>.ckpt.old`) is deleted where the new one
+    took its name and renamed back where it did not. Returns the checkpoints put back."""
+    restored = []
+    for partial in folder.glob(f".*.ckpt{PARTIAL_SUFFIX}"):
+        remove(partial)
+    for old in folder.glob(f".*.ckpt{OLD_SUFFIX}"):
+        path = folder / old.name[1 : -len(OLD_SUFFIX)]
+        if path.exists():
+            remove(old)
+        else:
+            os.replace(old, path)
+            restored.append(path)
+    return restored
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint path, a file or a folder, if it is there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def no_room(path: Path, needed: int) -> str:

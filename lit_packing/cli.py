@@ -41,12 +41,13 @@ from lit_packing.callbacks.checkpoint import LastCheckpoint
 from lit_packing.callbacks.preemption import PreemptionCheckpoint, hpc_checkpoints
 from lit_packing.callbacks.progress import progress_callback
 from lit_packing.callbacks.validation import ValidationSchedule
-from lit_packing.checkpoint_io import PARTIAL_SUFFIX, AtomicCheckpointIO
+from lit_packing.checkpoint_io import AtomicCheckpointIO, clear_leftovers
 from lit_packing.data import PackingDataModule
 from lit_packing.errors import AssetError, ConfigError, LitPackingError, TrainingError
 from lit_packing.models import PackedCausalLM
 from lit_packing.preflight import Position, check_left_to_train, preflight, read_checkpoint, read_position
 from lit_packing.processes import tie_to_launcher
+from lit_packing.strategies import LIGHTNING_MODEL_PARALLEL, ShardedStrategy
 
 log = logging.getLogger("lit_packing")
 LAST_NAME = re.compile(r"last(-v?\d+)?\.ckpt")  # ModelCheckpoint's `last` file, and its versioned names
@@ -198,9 +199,11 @@ class PackingCLI(LightningCLI):
         is_object = isinstance(args, (dict, Namespace))
         self.config = parser.parse_object(args) if is_object else parser.parse_args(args)
         subcommand = self.config.get("subcommand")
+        settings = self.config[subcommand] if subcommand else self.config
+        if "trainer" in settings:
+            settings.trainer.strategy = sharded_strategy(settings.trainer.get("strategy"))
         if subcommand is None:
             return
-        settings = self.config[subcommand]
         self.checkpoint = preflight(
             subcommand, settings.get("trainer", {}), settings.get("ckpt_path"), settings.get("data", {})
         )
@@ -274,13 +277,27 @@ class PackingCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs, callbacks=callbacks, plugins=plugins)
 
 
+def sharded_strategy(strategy):
+    """Lightning's `ModelParallelStrategy`, named by its class path (`configs/fsdp2.yaml`) or by its class name
+    (`--trainer.strategy=ModelParallelStrategy`, which Lightning's Trainer would refuse as a strategy name), as
+    `strategies.ShardedStrategy` with the same settings: its distributed checkpoints are written atomically.
+    Any other strategy is returned as it is."""
+    sharded = f"{ShardedStrategy.__module__}.{ShardedStrategy.__name__}"
+    if isinstance(strategy, str) and strategy in ("ModelParallelStrategy", LIGHTNING_MODEL_PARALLEL):
+        return Namespace(class_path=sharded, init_args=Namespace())
+    if isinstance(strategy, Namespace) and strategy.get("class_path") == LIGHTNING_MODEL_PARALLEL:
+        strategy.class_path = sharded
+    return strategy
+
+
 def newest_checkpoint(trainer: Trainer) -> Path | None:
     """The newest (by modification time) checkpoint of the run that reads as complete, or None if there is none.
 
     The candidates: `last*.ckpt` in the folder of each `ModelCheckpoint` with a known folder (its `dirpath`;
     `<default_root_dir>/checkpoints` for `LastCheckpoint`) and `hpc_ckpt_<N>.ckpt` in `default_root_dir`. A
     damaged one (empty, cut short, unreadable) is skipped with a line naming it and what is wrong. What a save
-    killed between its flush and its rename left (`.<name>.ckpt.partial`) is removed from those folders.
+    killed part-way left is undone first (`checkpoint_io.clear_leftovers`): a partial file or folder
+    (`.<name>.ckpt.partial`) is removed, a previous distributed checkpoint that had stepped aside is put back.
     """
     root = Path(trainer.default_root_dir)
     folders = [root]
@@ -291,8 +308,8 @@ def newest_checkpoint(trainer: Trainer) -> Path | None:
     candidates = set(hpc_checkpoints(root).values())
     for folder in folders:
         candidates |= {path for path in folder.iterdir() if LAST_NAME.fullmatch(path.name)}
-        for partial in folder.glob(f".*.ckpt{PARTIAL_SUFFIX}"):  # a save killed between its flush and its rename
-            partial.unlink(missing_ok=True)
+        for path in clear_leftovers(folder):  # what saves killed part-way left
+            log.info(f"--ckpt_path=last: {path} put back: a save was killed while the new one took its name")
     for path in sorted(candidates, key=lambda p: p.stat().st_mtime, reverse=True):
         try:
             read_checkpoint(path)

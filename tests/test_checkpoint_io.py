@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import errno
 import io
+import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -133,3 +136,99 @@ def test_trainer_save_checkpoint_goes_through_it_and_loads_back(tmp_path):
     loaded = torch.load(tmp_path / "step2.ckpt", weights_only=True)
     assert loaded["global_step"] == 2
     torch.testing.assert_close(loaded["state_dict"]["layer.weight"], model.layer.weight)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Distributed checkpoints (folders): ShardedStrategy
+
+
+def folder_checkpoint(path: Path, step: int) -> None:
+    path.mkdir()
+    (path / "__0_0.distcp").write_text(f"shards of step {step}")
+    (path / "meta.pt").write_text(f"loops at step {step}")
+
+
+def test_a_folder_takes_the_name_of_the_previous_checkpoint_whole(tmp_path):
+    last, partial = tmp_path / "last.ckpt", tmp_path / ".last.ckpt.partial"
+    folder_checkpoint(last, 2)
+    folder_checkpoint(partial, 4)
+    checkpoint_io.replace_folder(partial, last)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert (last / "meta.pt").read_text() == "loops at step 4" and (last / "__0_0.distcp").read_text().endswith("4")
+
+
+def test_leftovers_of_killed_saves_are_undone(tmp_path):
+    # Killed between the renames: no last.ckpt, the previous one aside (put back); killed while writing: a partial
+    # folder (removed); killed after the new one took its name: the previous one aside (removed).
+    folder_checkpoint(tmp_path / ".last.ckpt.old", 2)
+    folder_checkpoint(tmp_path / ".last.ckpt.partial", 4)
+    folder_checkpoint(tmp_path / "step=6.ckpt", 6)
+    folder_checkpoint(tmp_path / ".step=6.ckpt.old", 4)
+    assert checkpoint_io.clear_leftovers(tmp_path) == [tmp_path / "last.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=6.ckpt"]
+    assert (tmp_path / "last.ckpt" / "meta.pt").read_text() == "loops at step 2"
+    assert (tmp_path / "step=6.ckpt" / "meta.pt").read_text() == "loops at step 6"
+
+
+# One process: a BoringModel sharded with FSDP2 on a 1-rank mesh saves `last.ckpt` (a folder) after 2 steps, then,
+# its weights changed, saves it again and is killed once the shards are written, before `meta.pt` (SIGKILL).
+KILLED_SAVE = """
+import os, sys, torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+from lit_packing.strategies import ShardedStrategy
+
+class Sharded(BoringModel):
+    def configure_model(self):
+        fully_shard(self.layer, mesh=self.device_mesh["data_parallel"])
+
+strategy = ShardedStrategy() if sys.argv[1] == "sharded" else ModelParallelStrategy()
+trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+model = Sharded()
+trainer.fit(model)
+trainer.save_checkpoint(sys.argv[2])
+torch.save(model.layer.weight.full_tensor().detach().clone(), sys.argv[3])
+with torch.no_grad():
+    model.layer.weight.add_(1.0)
+torch.save(model.layer.weight.full_tensor().detach().clone(), sys.argv[4])
+save = torch.save
+def killed_at_meta(obj, f, *args, **kwargs):
+    if str(f).endswith("meta.pt"):
+        os.kill(os.getpid(), 9)
+    return save(obj, f, *args, **kwargs)
+torch.save = killed_at_meta
+trainer.save_checkpoint(sys.argv[2])
+"""
+
+
+def read_folder(path: Path) -> tuple[torch.Tensor, int]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = path.parent.parent / "whole.pt"  # beside the checkpoints' folder
+    dcp_to_torch_save(path, whole)
+    weight = torch.load(whole, weights_only=True)["state_dict"]["layer.weight"]
+    return weight, torch.load(path / "meta.pt", weights_only=True)["global_step"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["sharded", "lightning"])
+def test_a_distributed_checkpoint_save_killed_part_way_leaves_the_previous_one(tmp_path, strategy):
+    script, last = tmp_path / "killed_save.py", tmp_path / "checkpoints" / "last.ckpt"
+    script.write_text(KILLED_SAVE)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
+    saved, changed = tmp_path / "saved.pt", tmp_path / "changed.pt"  # the weights of the first save, of the second
+    args = [sys.executable, str(script), strategy, str(last), str(saved), str(changed)]
+    done = subprocess.run(args, env=env, capture_output=True, timeout=300)
+    assert done.returncode == -9, done.stderr.decode()[-3000:]
+    weight, step = read_folder(last)
+    assert step == 2  # the first save's meta.pt
+    if strategy == "lightning":  # the contrast: Lightning's writer rewrote the folder in place
+        torch.testing.assert_close(weight, torch.load(changed), rtol=0, atol=0, msg="the new shards, old meta.pt")
+        return
+    torch.testing.assert_close(weight, torch.load(saved), rtol=0, atol=0)  # the previous checkpoint, whole
+    assert sorted(p.name for p in last.parent.iterdir()) == [".last.ckpt.partial", "last.ckpt"]
+    assert checkpoint_io.clear_leftovers(last.parent) == []
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]
