@@ -98,8 +98,10 @@ log = logging.getLogger(__name__)
 
 # The strategies whose gradient reduction this loss is tested under: DDP and FSDP1 average gradients over ranks;
 # ModelParallelStrategy (FSDP2, `configure_model`) is set to sum them (`sharding.shard_model`).
-TESTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "ModelParallelStrategy")
-SUMMING_STRATEGIES = ("ModelParallelStrategy",)
+# By class name, exactly: a subclass may change how gradients are reduced. ShardedStrategy is ModelParallelStrategy
+# with atomic checkpoints (`lit_packing.strategies`), which the CLI runs in its place.
+TESTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "ModelParallelStrategy", "ShardedStrategy")
+SUMMING_STRATEGIES = ("ModelParallelStrategy", "ShardedStrategy")
 Schedule = Literal["cosine", "linear", "constant"]
 NonFinite = Literal["error", "skip"]
 SAMPLE_ROWS = 8  # source rows named when a step fails
