@@ -9,7 +9,10 @@ import functools
 import json
 import logging
 import math
+import pathlib
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -242,6 +245,46 @@ def test_a_table_refuses_a_pair_it_lacks_or_other_tokens_and_gathers_every_ranks
         every.lookup([9, 1], logps([0.0, 0.0], [0.0, 0.0], [1, 3]), "train pairs")
     with pytest.raises(DataError, match="computed for other tokens of the same rows"):
         every.lookup([4], logps([0.0], [0.0], [5]), "train pairs")
+
+
+DDP_SCRIPT = """
+import pathlib, sys
+import torch
+from lightning.pytorch import Trainer
+sys.path.insert(0, {repo!r})
+from tests.models.test_preference_lm import pair_data, pair_lm
+
+tmp = pathlib.Path({tmp!r})
+lm = pair_lm(objective="dpo")
+trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=1, precision="64-true", logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  limit_val_batches=0, use_distributed_sampler=False)
+trainer.fit(lm, datamodule=pair_data(tmp))
+if trainer.is_global_zero:
+    torch.save({{stage: table.state() for stage, (table, _) in lm._stage_tables.items()}}, tmp / "ddp.pt")
+    print("DDP-OK", float(trainer.callback_metrics["train/loss"]))
+"""
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_each_compute_their_share_of_the_same_table(tmp_path):
+    """2 CPU ranks (gloo): each rank's share of the pass, gathered, is the one-process table (fp64), and the loss
+    starts at ln 2 on both ranks."""
+    repo = str(pathlib.Path(__file__).parents[2])
+    script = tmp_path / "ddp_reference.py"
+    script.write_text(DDP_SCRIPT.format(repo=repo, tmp=str(tmp_path / "ddp")))
+    (tmp_path / "ddp").mkdir()
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert "DDP-OK" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+    assert float(done.stdout.split("DDP-OK")[1].split()[0]) == pytest.approx(math.log(2), abs=1e-9)
+    shared = torch.load(tmp_path / "ddp" / "ddp.pt", weights_only=True)
+    alone = pair_lm(objective="dpo")
+    fit(alone, pair_data(tmp_path), max_steps=1)
+    assert shared.keys() == alone._stage_tables.keys() == {"train", "val"}
+    for stage, state in shared.items():
+        table = alone._stage_tables[stage][0]
+        assert torch.equal(state["rows"], table.rows) and torch.equal(state["tokens"], table.tokens)
+        torch.testing.assert_close(state["logps"], table.logps, rtol=1e-12, atol=1e-9)
 
 
 def test_the_precomputed_reference_needs_a_data_modules_pairs():
