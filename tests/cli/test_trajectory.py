@@ -5,7 +5,8 @@
 - kill -9 on 2 ranks and `--ckpt_path` on 1 (and the reverse), with no global batch set: the resume keeps the
   checkpoint's global batch and ends with the uninterrupted run's weights and losses;
 - the same with FSDP2 (`configs/fsdp2.yaml`): a distributed checkpoint written by 2 sharded ranks, killed, resumed
-  on 1 (the model and AdamW state resharded from 2 shards to 1), and the reverse, on the same trajectory;
+  on 1 (the model and AdamW state resharded from 2 shards to 1), the reverse, and 2 x 2 data x tensor parallel
+  ranks resumed on 2 FSDP2 ranks, on the same trajectory;
 - a global batch the ranks cannot split is refused before anything starts.
 """
 
@@ -208,24 +209,39 @@ def test_kill_9_then_resume_on_another_world_size_keeps_the_trajectory(reference
 FSDP2 = ["--config", "fsdp2"]
 
 
-def sharded_over(ranks: int) -> list[str]:
-    return [*FSDP2, f"--trainer.strategy.init_args.data_parallel_size={ranks}"]
+def sharded_over(data: int, tensor: int = 1) -> list[str]:
+    return [*FSDP2, f"--trainer.strategy.init_args.data_parallel_size={data}",
+            f"--trainer.strategy.init_args.tensor_parallel_size={tensor}"]  # fmt: skip
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)], ids=["2 shards -> 1", "1 shard -> 2"])
+@pytest.mark.parametrize(
+    "before, after",
+    [((2, 1), (1, 1)), ((1, 1), (2, 1)), ((2, 2), (2, 1))],
+    ids=["2 shards -> 1", "1 shard -> 2", "2 x 2 tensor parallel -> 2 shards"],
+)
 def test_a_sharded_checkpoint_resumes_on_another_world_size_on_the_trajectory(reference, before, after):
-    """FSDP2 killed after its distributed checkpoint of step 4; `--ckpt_path` with FSDP2 on another number of ranks
-    reads every weight and AdamW moment into the new shards and keeps the checkpoint's global batch of 2 packs."""
+    """FSDP2 (data x tensor parallel ranks) killed after its distributed checkpoint of step 4; `--ckpt_path` on
+    another layout reads every weight and AdamW moment into the new shards (4 ranks' head and column splits into 2
+    ranks' whole layers) and keeps the checkpoint's global batch of 2 packs."""
     tmp = reference[0]
-    name = f"sharded_{before}_{after}"
-    layout = [f"--trainer.accumulate_grad_batches={2 // before}"]
-    kill_after(tmp, fit_args(tmp, LLAMA, name, before, *sharded_over(before), *layout, delay=0.5),
-               tmp / name / "step=4.ckpt")  # fmt: skip
-    resume = [*sharded_over(after), *layout, f"--ckpt_path={tmp / name / 'step=4.ckpt'}"]
-    out = fit(tmp, fit_args(tmp, LLAMA, name, after, *resume, record=f"{name}_resumed"))
-    assert f"keeping the checkpoint's 2 packs per optimizer step ({before} rank" in out, out[-3000:]
-    assert "the same 2 packs per optimizer step, the remaining steps as planned" in out
+    name = "sharded_{}x{}_{}x{}".format(*before, *after)
+    runs = []
+    for (data, tensor), extra in ((before, ()), (after, (f"--ckpt_path={tmp / name / 'step=4.ckpt'}",))):
+        layout = [*sharded_over(data, tensor), f"--trainer.accumulate_grad_batches={2 // data}", *extra]
+        runs.append(fit_args(tmp, LLAMA, name, data * tensor, *layout, delay=0.0 if extra else 0.5,
+                             record=f"{name}_resumed" if extra else ""))  # fmt: skip
+    kill_after(tmp, runs[0], tmp / name / "step=4.ckpt")
+    tensor = before[1]
+    for rank in range(before[0] * tensor):  # tensor-parallel peers (ranks r, r + 1) train the same batches
+        if rank % tensor:
+            peer = tmp / f"{name}.rank{rank}"
+            assert peer.read_text() == (tmp / f"{name}.rank{rank - rank % tensor}").read_text()
+            peer.unlink()  # counted once below, as its data-parallel rank
+    out = fit(tmp, runs[1])
+    if before[0] != after[0]:  # another number of data-parallel ranks: the global batch is kept, and says so
+        assert f"keeping the checkpoint's 2 packs per optimizer step ({before[0]} rank" in out, out[-3000:]
+        assert "the same 2 packs per optimizer step, the remaining steps as planned" in out
     assert_same_trajectory(reference, name, name, f"{name}_resumed")
 
 
