@@ -335,21 +335,31 @@ def test_lora_with_activation_checkpointing_sharded_trains_the_adapters_of_one_p
     assert max_weight_diff(sharded["weights"], one["weights"]) < WEIGHT_ATOL
 
 
-def cli_fit(tmp: Path, name: str, *extra: str, devices: int = 2) -> list[str]:
-    """The paper's config on `devices` CPU ranks, shrunk to a tiny model, 96 chats and 4 steps, the loss logged each
-    step."""
+def cli_fit(tmp: Path, name: str, *extra: str, devices: int = 2, base: str = "paper", after: tuple = ()) -> list[str]:
+    """The `base` config (the paper's) on `devices` CPU ranks, shrunk to a tiny model, 96 chats and 4 steps, the
+    loss logged each step; `after`: settings that override those."""
     from tests.conftest import TINY
 
     logger = {"class_path": "CSVLogger", "init_args": {"save_dir": str(tmp), "name": name, "version": 0}}
     return [
-        sys.executable, str(ROOT / "main.py"), "fit", "--config", "paper", *extra,
+        sys.executable, str(ROOT / "main.py"), "fit", "--config", base, *extra,
         f"--model.model_config={json.dumps(TINY)}", "--model.lr=1e-3", "--model.warmup_steps=0",
         "--data.limit=96", "--data.val_split=16", "--data.max_length=512",
         "--data.sampler.init_args.max_tokens=2048", "--trainer.max_steps=4", "--trainer.limit_val_batches=0",
         "--trainer.log_every_n_steps=1", "--trainer.accelerator=cpu", f"--trainer.devices={devices}",
         "--trainer.precision=32-true", "--trainer.enable_checkpointing=false",
-        f"--trainer.default_root_dir={tmp}", f"--trainer.logger={json.dumps(logger)}",
+        f"--trainer.default_root_dir={tmp}", f"--trainer.logger={json.dumps(logger)}", *after,
     ]  # fmt: skip
+
+
+def run_all(tmp: Path, runs: dict[str, list[str]]) -> dict[str, str]:
+    """Start every command at once; each one's output once all have ended (each must succeed)."""
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started = {name: subprocess.Popen(args, cwd=tmp, env=env(), **pipes) for name, args in runs.items()}
+    out = {name: process.communicate(timeout=600)[0] for name, process in started.items()}
+    for name, process in started.items():
+        assert process.returncode == 0, out[name][-4000:]
+    return out
 
 
 def logged_losses(folder: Path) -> list[float]:
@@ -369,11 +379,7 @@ def test_the_paper_config_with_the_fsdp2_delta_trains_the_ddp_runs_losses(tmp_pa
         "tp": cli_fit(tmp_path, "tp", "--config", "fsdp2", *tp, devices=4),
         "ddp": cli_fit(tmp_path, "ddp", "--trainer.strategy=ddp"),
     }
-    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    started = {name: subprocess.Popen(args, cwd=tmp_path, env=env(), **pipes) for name, args in runs.items()}
-    out = {name: process.communicate(timeout=600)[0] for name, process in started.items()}
-    for name, process in started.items():
-        assert process.returncode == 0, out[name][-4000:]
+    out = run_all(tmp_path, runs)
     assert "divided over 2 shards" in out["fsdp2"] and "isolation self-test passed" in out["fsdp2"]
     assert "split over 2 tensor-parallel ranks" in out["tp"] and "divided over 4 shards" in out["tp"]
     assert "isolation self-test passed" in out["tp"]
@@ -381,6 +387,28 @@ def test_the_paper_config_with_the_fsdp2_delta_trains_the_ddp_runs_losses(tmp_pa
     assert len(fsdp2) == 4
     assert fsdp2 == pytest.approx(ddp, abs=LOSS_ATOL)
     assert logged_losses(tmp_path / "tp" / "version_0") == pytest.approx(ddp, abs=LOSS_ATOL)
+
+
+@pytest.mark.slow
+def test_dpo_sharded_trains_the_ddp_runs_losses_with_either_reference(tmp_path):
+    """`--config dpo --config fsdp2` on 2 ranks (CHAMP pairs, 3 steps) against DDP: with the precomputed reference
+    (each rank's share of the pass through the sharded model, gathered) and with a frozen copy, the same losses."""
+    pairs = ("--data.limit=48", "--data.val_split=8", "--data.max_length=2048",
+             "--data.sampler.init_args.max_tokens=4096", "--trainer.max_steps=3", "--model.lr=1e-4")  # fmt: skip
+    runs = {
+        name: cli_fit(tmp_path, name, *extra, base="dpo", after=(*pairs, f"--model.reference={reference}"))
+        for name, extra, reference in [
+            ("fsdp2", ("--config", "fsdp2"), "precomputed"),
+            ("fsdp2_copy", ("--config", "fsdp2"), "copy"),
+            ("ddp", ("--trainer.strategy=ddp",), "precomputed"),
+        ]
+    }
+    out = run_all(tmp_path, runs)
+    assert "divided over 2 shards" in out["fsdp2"] and "computing" in out["fsdp2"], out["fsdp2"][-3000:]
+    ddp = logged_losses(tmp_path / "ddp" / "version_0")
+    assert len(ddp) == 3 and abs(ddp[0] - 0.6931472) < 1e-5  # policy = reference at step 0: ln 2
+    for name in ("fsdp2", "fsdp2_copy"):
+        assert logged_losses(tmp_path / name / "version_0") == pytest.approx(ddp, abs=LOSS_ATOL), name
 
 
 @pytest.mark.slow
