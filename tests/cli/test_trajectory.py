@@ -7,6 +7,7 @@
 - the same with FSDP2 (`configs/fsdp2.yaml`): a distributed checkpoint written by 2 sharded ranks, killed, resumed
   on 1 (the model and AdamW state resharded from 2 shards to 1), the reverse, and 2 x 2 data x tensor parallel
   ranks resumed on 2 FSDP2 ranks, on the same trajectory;
+- preference pairs (DPO, the reference log-probs precomputed) killed on 2 ranks and resumed on 1, likewise;
 - a global batch the ranks cannot split is refused before anything starts.
 """
 
@@ -243,6 +244,36 @@ def test_a_sharded_checkpoint_resumes_on_another_world_size_on_the_trajectory(re
         assert f"keeping the checkpoint's 2 packs per optimizer step ({before[0]} rank" in out, out[-3000:]
         assert "the same 2 packs per optimizer step, the remaining steps as planned" in out
     assert_same_trajectory(reference, name, name, f"{name}_resumed")
+
+
+# Preference pairs in place of chats: DPO on CHAMP pairs, the reference log-probs precomputed (the default).
+PAIRS = ("--data.source=lit_packing.data.ChampPairs", "--data.collator=lit_packing.data.PairCollator",
+         "--model.objective=dpo", "--model.lr=1e-4", "--data.limit=48", "--data.max_length=2048",
+         "--data.overlong=drop", "--data.sampler.init_args.max_tokens=2048")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pair_reference(tmp_path_factory):
+    """The uninterrupted DPO run on 1 rank with 2 packs of pairs per optimizer step (as `reference`)."""
+    tmp = tmp_path_factory.mktemp("pair_trajectory")
+    (tmp / "recorder.py").write_text(RECORDER)
+    fit(tmp, fit_args(tmp, LLAMA, "one", 1, "--data.packs_per_step=2", *PAIRS))
+    return tmp, losses(tmp, "one"), weights(tmp / "one" / f"step={MAX_STEPS}.ckpt")
+
+
+@pytest.mark.slow
+def test_pairs_killed_on_2_ranks_resume_on_1_on_the_trajectory(pair_reference):
+    """Pairs are atoms of the plan as examples are: 2 ranks killed after step 4, resumed on 1 with the checkpoint's
+    global batch; the resume takes the reference log-probs from the checkpoint (computed by the 2 ranks from the
+    initial model) and trains the uninterrupted run's pairs, losses and weights."""
+    tmp = pair_reference[0]
+    name = "pairs_2_1"
+    kill_after(tmp, fit_args(tmp, LLAMA, name, 2, *PAIRS, delay=0.5), tmp / name / "step=4.ckpt")
+    out = fit(tmp, fit_args(tmp, LLAMA, name, 1, *PAIRS, f"--ckpt_path={tmp / name / 'step=4.ckpt'}",
+                            record=f"{name}_resumed"))  # fmt: skip
+    assert "keeping the checkpoint's 2 packs per optimizer step (2 ranks x 1 accumulated)" in out, out[-3000:]
+    assert "from this run (a checkpoint" in out and "computing" not in out, out[-3000:]
+    assert_same_trajectory(pair_reference, name, name, f"{name}_resumed")
 
 
 def test_a_global_batch_the_ranks_cannot_split_is_refused(tmp_path):
