@@ -35,16 +35,25 @@ STEP = "step"
 ROWS = "rows"
 INDEX = "index"  # an example's row in the source dataset (a column of the tokenized data, and an item key)
 SOURCE_TOKENS = "source_tokens"  # host list of a streamed batch: real tokens of each of the stream's sources in it
+KEY_LENGTHS = "key_lengths"  # host list beside `lengths` when prompts are shared: the keys each segment attends
 WINDOW = "window"  # host dict of a streamed batch: its window's number, examples, fill, data wait so far
 PACKED_KEYS = (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, SEQ_IDX)
+# Shared prompts (`PairCollator(share_prompt=True)`): the keys of every segment of `cu_seq_lens_q` are gathered
+# from the row, segment by segment, by `KEY_INDEX` (Tk,) int64 (a continuation's: its prompt's tokens, then its
+# own), and `cu_seq_lens_k` / `max_length_k` describe them; causality is bottom-right aligned, as in FlashAttention.
+KEY_INDEX = "key_index"
 # What a transformers model reads of a batch (packed or padded); the rest is for the loss and the callbacks.
-MODEL_KEYS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K)
+MODEL_KEYS = (
+    INPUT_IDS, ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, KEY_INDEX,
+)  # fmt: skip
 TRUNCATED_TOKENS = "truncated_tokens"  # an example's tokens cut by the overlong policy (a tokenized column)
 # Preference pairs: a tokenized pair is one item, its chosen sequence's tokens first (`CHOSEN_TOKENS` of them), then
 # its rejected one's; a batch of pairs names, for each pair, the segments (rows of `cu_seq_lens_q`) of its two
-# sequences: `PAIRS` (P, 2) int64, [chosen segment, rejected segment].
+# sequences: `PAIRS` (P, 2) int64, [chosen segment, rejected segment]. With shared prompts the two are the
+# continuations, and `PROMPTS` (P,) int64 names the segment of each pair's prompt, which both attend to.
 CHOSEN_TOKENS = "chosen_tokens"
 PAIRS = "pairs"
+PROMPTS = "prompts"
 
 
 class Counts(TypedDict):
@@ -69,20 +78,32 @@ def is_packed(batch: dict[str, Any]) -> bool:
     return CU_SEQ_LENS_Q in batch
 
 
-def attention_cost(lengths: Sequence[int] | np.ndarray, window: int | None = None) -> int:
-    """(query, key) pairs attention computes over sequences of `lengths`: sum(L * min(L, window)).
+def attention_cost(
+    lengths: Sequence[int] | np.ndarray, window: int | None = None, keys: Sequence[int] | None = None
+) -> int:
+    """(query, key) pairs attention computes over sequences of `lengths`: sum(L * min(K, window)), K the keys each
+    attends (`keys`: a shared prompt's continuation attends the prompt too), else K = L.
 
     >>> attention_cost([4, 8, 5, 11])
     226
     >>> attention_cost([4, 8, 5, 11], window=5)
     136
+    >>> attention_cost([3, 2, 1], keys=[3, 5, 4])  # a prompt of 3, continuations of 2 and 1
+    23
     """
     n = np.asarray(lengths, dtype=np.int64)
-    return int((n * (n if window is None else np.minimum(n, window))).sum())
+    k = n if keys is None else np.asarray(keys, dtype=np.int64)
+    return int((n * (k if window is None else np.minimum(k, window))).sum())
 
 
 def batch_counts(
-    lengths: Sequence[int], label_tokens: int, slot_tokens: int, attn_cost: int, truncated_tokens: int = 0
+    lengths: Sequence[int],
+    label_tokens: int,
+    slot_tokens: int,
+    attn_cost: int,
+    truncated_tokens: int = 0,
+    keys: Sequence[int] | None = None,
+    examples: int | None = None,
 ) -> Counts:
     """The `counts` every batch carries.
 
@@ -92,17 +113,20 @@ def batch_counts(
         slot_tokens: tokens the step computes, padding included.
         attn_cost: attention the device computes in (query, key) pairs (see `Counts`).
         truncated_tokens: tokens cut from these examples by the overlong policy.
+        keys: with shared prompts, the keys each of `lengths` attends (`attention_cost`).
+        examples: the sequences, where `lengths` are not one per sequence (shared prompts: a pair's prompt and
+            two continuations are its two sequences).
 
     >>> batch_counts([4, 8], label_tokens=10, slot_tokens=16, attn_cost=2 * 8 * 8)["sum_sq_lengths"]
     80
     """
     return Counts(
-        examples=len(lengths),
+        examples=len(lengths) if examples is None else int(examples),
         real_tokens=int(sum(lengths)),
         label_tokens=int(label_tokens),
         slot_tokens=int(slot_tokens),
         attn_cost=int(attn_cost),
-        sum_sq_lengths=attention_cost(lengths),
+        sum_sq_lengths=attention_cost(lengths, keys=keys),
         truncated_tokens=int(truncated_tokens),
     )
 

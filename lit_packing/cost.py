@@ -60,11 +60,12 @@ def flop_coefficients(shape: ModelShape) -> tuple[float, float]:
     return float(per_token), float(ATTENTION_FLOPS_PER_PAIR * len(shape["windows"]) * shape["attn_width"])
 
 
-def model_flops(shape: ModelShape, counts: Counts, lengths: Sequence[int]) -> float:
+def model_flops(shape: ModelShape, counts: Counts, lengths: Sequence[int], keys: Sequence[int] | None = None) -> float:
     """FLOPs of the work a batch asks for: real tokens only, each layer's attention within its window.
 
     Padding is waste, not work, so the same examples cost the same whether packed or padded (this is what
-    `train/tflops_per_sec` and `train/mfu` count).
+    `train/tflops_per_sec` and `train/mfu` count). With shared prompts (`keys`, the batch's `key_lengths`) a
+    prompt counts once, and each continuation's attention over it counts with the continuation.
 
     >>> shape = ModelShape(trainable_params=1000, frozen_params=0, attn_width=8, windows=(None, 5))
     >>> counts = batch_counts([4, 8, 5, 11], label_tokens=24, slot_tokens=44, attn_cost=4 * 11 * 11)
@@ -72,7 +73,7 @@ def model_flops(shape: ModelShape, counts: Counts, lengths: Sequence[int]) -> fl
     True
     """
     per_token, _ = flop_coefficients(shape)
-    attention = sum(k * attention_cost(lengths, w) for w, k in Counter(shape["windows"]).items())
+    attention = sum(k * attention_cost(lengths, w, keys) for w, k in Counter(shape["windows"]).items())
     return per_token * counts["real_tokens"] + ATTENTION_FLOPS_PER_PAIR * shape["attn_width"] * attention
 
 

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lit_packing._compat import data_parallel, should_update_logs
-from lit_packing.batch import COUNTS, LENGTHS, SOURCE_TOKENS, WINDOW
+from lit_packing.batch import COUNTS, KEY_LENGTHS, LENGTHS, SOURCE_TOKENS, WINDOW
 from lit_packing.contract import DataContract
 from lit_packing.cost import ModelShape, hardware_flops, model_flops, model_shape
 
@@ -142,7 +142,7 @@ class TokenThroughputMonitor(pl.Callback):
         if batch.get(WINDOW, {}).get("fill") is not None:
             self.window_fills[(trainer.current_epoch, batch[WINDOW]["number"])] = batch[WINDOW]["fill"]
         if self._shape:
-            counts["flops"] = model_flops(self._shape, batch[COUNTS], batch[LENGTHS])
+            counts["flops"] = model_flops(self._shape, batch[COUNTS], batch[LENGTHS], batch.get(KEY_LENGTHS))
             counts["hardware_flops"] = hardware_flops(self._shape, batch[COUNTS])
         self.train_seconds += now - self._batch_start
         self._batch_start = now

@@ -45,12 +45,15 @@ from lit_packing.batch import (
     IGNORE_INDEX,
     INDEX,
     INPUT_IDS,
+    KEY_INDEX,
+    KEY_LENGTHS,
     LABELS,
     LENGTHS,
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
     PAIRS,
     POSITION_IDS,
+    PROMPTS,
     ROWS,
     SEQ_IDX,
     STEP,
@@ -257,39 +260,140 @@ class PairCollator:
     >>> batch["position_ids"][0, :7].tolist(), batch["labels"][0, :7].tolist()
     ([0, 1, 2, 3, 0, 1, 2], [-100, -100, 7, 8, -100, -100, 9])
 
-    Args: those of `PackedCollator` (the row is built by it; isolation is always on).
+    With `share_prompt`, a pair's prompt is run once: the row holds [prompt][chosen continuation][rejected
+    continuation], three segments; both continuations attend to the prompt's keys and their own (not each other's),
+    their positions continue after the prompt, and `prompts` (P,) names each pair's prompt segment. The prompt is
+    the two sequences' common prefix before the first label (the tokens whose hidden states are the same in both):
+
+    >>> batch = PairCollator(share_prompt=True)([pair, pair])
+    >>> batch["cu_seq_lens_q"].tolist(), batch["pairs"].tolist(), batch["prompts"].tolist()
+    ([0, 2, 4, 5, 7, 9, 10], [[1, 2], [4, 5]], [0, 3])
+    >>> batch["position_ids"][0, :5].tolist(), batch["key_index"][:9].tolist(), batch["cu_seq_lens_k"].tolist()
+    ([0, 1, 2, 3, 2], [0, 1, 0, 1, 2, 3, 0, 1, 4], [0, 2, 6, 9, 11, 15, 18])
+
+    Args: those of `PackedCollator` (the row is built by it; isolation is always on), and `share_prompt`.
     """
 
     def __init__(
-        self, pad_token_id: int = 0, pad_to_multiple_of: int | None = None, bucket_sizes: list[int] | None = None
+        self,
+        pad_token_id: int = 0,
+        pad_to_multiple_of: int | None = None,
+        bucket_sizes: list[int] | None = None,
+        share_prompt: bool = False,
     ) -> None:
         self.packed = PackedCollator(pad_token_id, pad_to_multiple_of, bucket_sizes)
+        self.share_prompt = share_prompt
 
     def plan_slots(self, plan: PackPlan) -> PlanSlots:
         """Per pack of `plan` (whose items are pairs), the slots; attention pairs are bounded by the pairs' whole
-        lengths (a pair's two sequences attend apart: fewer)."""
+        lengths (a pair's two sequences attend apart: fewer). With `share_prompt` both are upper bounds: the plan
+        counts a pair's prompt twice, the row holds it once."""
         return self.packed.plan_slots(plan)
 
     def __call__(self, pairs: list[dict[str, Any]]) -> dict[str, Any]:
         host = _host_entries(pairs)
-        sequences = []
-        for pair in pairs:
-            if not pair.get(CHOSEN_TOKENS):
-                raise DataError(
-                    "PairCollator got an example that is no whole preference pair: the data needs prompt, chosen and "
-                    "rejected columns, and a sampler that keeps examples whole (not FixedLengthPackingSampler)"
-                )
-            ids, labels, split = _as_array(pair[INPUT_IDS]), _as_array(pair[LABELS]), int(pair[CHOSEN_TOKENS])
-            if not 0 < split < len(ids):
-                raise DataError(f"a pair needs a chosen and a rejected sequence: chosen_tokens={split} of {len(ids)}")
-            sequences += [
-                {INPUT_IDS: ids[:split], LABELS: labels[:split]},
-                {INPUT_IDS: ids[split:], LABELS: labels[split:]},
-            ]
-        batch = self.packed._collate(sequences)
-        batch[PAIRS] = torch.arange(2 * len(pairs), dtype=torch.int64).view(len(pairs), 2)
+        sides = [_pair_sides(pair) for pair in pairs]
+        if self.share_prompt:
+            batch = self._shared(sides)
+        else:
+            sequences = [{INPUT_IDS: x, LABELS: y} for side in sides for x, y in side]
+            batch = self.packed._collate(sequences)
+            batch[PAIRS] = torch.arange(2 * len(pairs), dtype=torch.int64).view(len(pairs), 2)
         batch.update(host)
         return batch
+
+    def _shared(self, sides: list[tuple[tuple[np.ndarray, np.ndarray], ...]]) -> dict[str, Any]:
+        """The row of `share_prompt`: per pair a prompt segment and two continuation segments (see the class)."""
+        ids, labels, lengths, keys, key_index, offsets = [], [], [], [], [], []
+        start = 0
+        for (chosen, chosen_labels), (rejected, rejected_labels) in sides:
+            prompt = _prompt_length(chosen, chosen_labels, rejected, rejected_labels)
+            chosen_labels, rejected_labels = chosen_labels.copy(), rejected_labels.copy()
+            chosen_labels[0] = rejected_labels[0] = IGNORE_INDEX  # as each sequence's first label is, unshared
+            ids += [chosen[:prompt], chosen[prompt:], rejected[prompt:]]
+            labels += [chosen_labels[:prompt], chosen_labels[prompt:], rejected_labels[prompt:]]
+            sizes = (prompt, len(chosen) - prompt, len(rejected) - prompt)
+            lengths += sizes
+            keys += [prompt, prompt + sizes[1], prompt + sizes[2]]
+            offsets += [0, prompt, prompt]
+            prompt_keys = np.arange(start, start + prompt)
+            chosen_start, rejected_start = start + prompt, start + prompt + sizes[1]
+            key_index += [
+                prompt_keys,
+                np.concatenate([prompt_keys, np.arange(chosen_start, rejected_start)]),
+                np.concatenate([prompt_keys, np.arange(rejected_start, rejected_start + sizes[2])]),
+            ]
+            start += sum(sizes)
+        real = start
+        total = int(padded_lengths(np.array([max(real, 1)]), self.packed.pad_to_multiple_of,
+                                   self.packed.bucket_sizes)[0])  # fmt: skip
+        pad = total - real
+        segments, key_lengths = lengths + ([pad] if pad else []), keys + ([pad] if pad else [])
+        if pad:
+            ids.append(np.full(pad, self.packed.pad_token_id, dtype=np.int64))
+            labels.append(np.full(pad, IGNORE_INDEX, dtype=np.int64))
+            key_index.append(np.arange(real, total))
+            offsets.append(0)
+        seg_lens = np.asarray(segments, dtype=np.int64)
+        cu_q = np.concatenate([[0], np.cumsum(seg_lens)])
+        cu_k = np.concatenate([[0], np.cumsum(key_lengths)])
+        position_ids = np.arange(total) - np.repeat(cu_q[:-1] - np.asarray(offsets), seg_lens)
+        label_row = np.concatenate(labels)
+        n = len(sides)
+        return {
+            INPUT_IDS: torch.from_numpy(np.concatenate(ids))[None],
+            LABELS: torch.from_numpy(label_row)[None],
+            POSITION_IDS: torch.from_numpy(position_ids)[None],
+            CU_SEQ_LENS_Q: torch.from_numpy(cu_q.astype(np.int32)),
+            CU_SEQ_LENS_K: torch.from_numpy(cu_k.astype(np.int32)),
+            MAX_LENGTH_Q: int(seg_lens.max()),
+            MAX_LENGTH_K: int(max(key_lengths)),
+            KEY_INDEX: torch.from_numpy(np.concatenate(key_index).astype(np.int64)),
+            SEQ_IDX: torch.from_numpy(np.repeat(np.arange(len(segments)), segments).astype(np.int32))[None],
+            PAIRS: torch.stack([torch.arange(1, 3 * n, 3), torch.arange(2, 3 * n, 3)], dim=1),
+            PROMPTS: torch.arange(0, 3 * n, 3),
+            COUNTS: batch_counts(
+                lengths,
+                label_tokens=int((label_row != IGNORE_INDEX).sum()),
+                slot_tokens=total,
+                attn_cost=attention_cost(segments, keys=key_lengths),
+                keys=keys,
+                examples=2 * n,
+            ),
+            LENGTHS: lengths,
+            KEY_LENGTHS: keys,
+        }
+
+
+def _pair_sides(pair: dict[str, Any]) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """A pair item's (input_ids, labels) of its chosen sequence and of its rejected one."""
+    if not pair.get(CHOSEN_TOKENS):
+        raise DataError(
+            "PairCollator got an example that is no whole preference pair: the data needs prompt, chosen and "
+            "rejected columns, and a sampler that keeps examples whole (not FixedLengthPackingSampler)"
+        )
+    ids, labels, split = _as_array(pair[INPUT_IDS]), _as_array(pair[LABELS]), int(pair[CHOSEN_TOKENS])
+    if not 0 < split < len(ids):
+        raise DataError(f"a pair needs a chosen and a rejected sequence: chosen_tokens={split} of {len(ids)}")
+    return (ids[:split], labels[:split]), (ids[split:], labels[split:])
+
+
+def _prompt_length(chosen: np.ndarray, chosen_labels: np.ndarray, rejected: np.ndarray, rejected_labels: np.ndarray):
+    """The tokens a pair's two sequences can share: their common prefix, up to the first label of either (the
+    first token is never a label) and leaving each at least one token of its own."""
+    limit = min(len(chosen), len(rejected)) - 1
+    differ = np.flatnonzero(chosen[:limit] != rejected[:limit])
+    shared = int(differ[0]) if len(differ) else limit
+    for labels in (chosen_labels, rejected_labels):
+        labelled = np.flatnonzero(labels[1:] != IGNORE_INDEX)
+        if len(labelled):
+            shared = min(shared, int(labelled[0]) + 1)
+    if shared < 1:
+        raise DataError(
+            "a preference pair's chosen and rejected sequences start with different tokens: there is no prompt to "
+            "share; set data.collator.init_args.share_prompt=false"
+        )
+    return shared
 
 
 class PaddedCollator:

@@ -10,6 +10,11 @@ for packed rows (so transformers never builds a T x T mask) and sdpa's usual mas
 `position_ids` (a new example wherever positions do not increase by one), so a backend never silently attends
 across examples. A packed row reaching an attention layer of a model that `pack_model` did not build is refused
 (its other token mixers would run across the boundaries unseen).
+
+Shared prompts (`key_index`, from `PairCollator(share_prompt=True)`): the keys and values are gathered segment by
+segment (a continuation's: its prompt's, then its own) and every kernel attends the queries of segment i of
+`cu_seq_lens_q` to the keys of segment i of `cu_seq_lens_k`, causality aligned bottom-right (the last query sees
+every key): FlashAttention's own convention for fewer queries than keys, and the per-example kernels' masks.
 """
 
 from __future__ import annotations
@@ -23,8 +28,16 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from lit_packing.batch import ATTENTION_MASK, CU_SEQ_LENS_K, CU_SEQ_LENS_Q, MAX_LENGTH_K, MAX_LENGTH_Q, POSITION_IDS
-from lit_packing.errors import IsolationError
+from lit_packing.batch import (
+    ATTENTION_MASK,
+    CU_SEQ_LENS_K,
+    CU_SEQ_LENS_Q,
+    KEY_INDEX,
+    MAX_LENGTH_K,
+    MAX_LENGTH_Q,
+    POSITION_IDS,
+)
+from lit_packing.errors import ConfigError, IsolationError
 from lit_packing.models.kernels import (
     HALF_ONLY,
     _attend,
@@ -75,7 +88,7 @@ def register_backends() -> None:
 # What the packed backends do with each keyword a model's layers hand the attention function: honoured, or
 # without effect on the result. Anything else is refused at construction (`probe.probe_packing`).
 HONOURED_KEYWORDS = frozenset({
-    ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K,
+    ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, KEY_INDEX,
     "dropout", "scaling", "sliding_window", "softcap", "is_causal", "s_aux", "sinks", "position_bias",
 })  # fmt: skip
 INERT_KEYWORDS = frozenset({
@@ -136,6 +149,7 @@ def _attention_forward(kernel: VarlenFn, check_door: bool = True) -> Callable:
         s_aux: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
         position_bias: torch.Tensor | None = None,
+        key_index: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         batch, heads, seq, _ = query.shape
@@ -163,6 +177,15 @@ def _attention_forward(kernel: VarlenFn, check_door: bool = True) -> Callable:
         if packed and check_door and not torch.compiler.is_compiling() and module not in _PACKED_BY_DOOR:
             refuse_unpacked(module)
         q, k, v = (x.transpose(1, 2).reshape(batch * seq, x.shape[1], x.shape[3]) for x in (query, key, value))
+        if key_index is not None:  # shared prompts: each segment's keys, the prompt's gathered before its own
+            if position_bias is not None:
+                raise ConfigError(
+                    "data.collator.init_args.share_prompt",
+                    f"{type(module).__name__} adds a position bias over the row's (query, key) pairs, which gathered "
+                    "keys do not have",
+                    "set {share_prompt}=false for this model",
+                )
+            k, v = k.index_select(0, key_index), v.index_select(0, key_index)
         extras = {}
         if sink is not None:  # per token and head: (B * T, H)
             extras["sink"] = sink.transpose(1, 2).reshape(batch * seq, heads)

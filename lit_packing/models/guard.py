@@ -21,6 +21,7 @@ from lit_packing.batch import (
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
     INPUT_IDS,
+    KEY_INDEX,
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
     POSITION_IDS,
@@ -60,15 +61,23 @@ def check_packed_batch(batch: Mapping[str, Any]) -> None:
     lengths = cu[1:] - cu[:-1]
     if int(cu[0]) != 0 or int(cu[-1]) != total or bool((lengths < 0).any()):
         raise IsolationError(f"cu_seq_lens_q={cu.tolist()} does not cover the T={total} tokens of the batch")
-    if CU_SEQ_LENS_K in batch and not torch.equal(batch[CU_SEQ_LENS_K].to(cu.dtype), cu):
+    # Before each segment's own keys, the keys gathered for it (a shared prompt's): its positions start there.
+    before = torch.zeros_like(lengths)
+    if KEY_INDEX in batch:
+        cu_k = batch[CU_SEQ_LENS_K].to(cu.dtype)
+        before = (cu_k[1:] - cu_k[:-1]) - lengths
+        if len(cu_k) != len(cu) or int(cu_k[-1]) != len(batch[KEY_INDEX]) or bool((before < 0).any()):
+            raise IsolationError(f"cu_seq_lens_k={cu_k.tolist()} does not give every segment its own keys")
+    elif CU_SEQ_LENS_K in batch and not torch.equal(batch[CU_SEQ_LENS_K].to(cu.dtype), cu):
         raise IsolationError("cu_seq_lens_k differs from cu_seq_lens_q in a self-attention batch")
     longest = int(lengths.max())
-    for key in (MAX_LENGTH_Q, MAX_LENGTH_K):
-        if key in batch and int(batch[key]) < longest:
-            raise IsolationError(f"{key}={batch[key]} < the longest example ({longest} tokens)")
+    for key, length in ((MAX_LENGTH_Q, longest), (MAX_LENGTH_K, int((lengths + before).max()))):
+        if key in batch and int(batch[key]) < length:
+            raise IsolationError(f"{key}={batch[key]} < the longest example ({length} tokens)")
     if POSITION_IDS not in batch:
         raise IsolationError("a packed batch needs position_ids restarting at 0 for every example")
-    expected = torch.arange(total) - torch.repeat_interleave(cu[:-1].long(), lengths.long(), output_size=total)
+    starts = (cu[:-1] - before).long()  # a continuation's positions go on after its prompt's
+    expected = torch.arange(total) - torch.repeat_interleave(starts, lengths.long(), output_size=total)
     if not torch.equal(batch[POSITION_IDS][0].long(), expected):
         raise IsolationError(
             "position_ids do not restart at 0 at every cu_seq_lens boundary: each example would see shifted "

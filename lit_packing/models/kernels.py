@@ -169,11 +169,22 @@ def _refuse_extras(backend: str, sink: torch.Tensor | None, bias: torch.Tensor |
         raise ConfigError("attn_backend", f"{backend} has no {what}", "set {attn_backend}=auto or per_example")
 
 
-def _same_boundaries(cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:
-    if cu_k is not cu_q and not torch.equal(cu_q, cu_k):
-        raise ConfigError(
-            "attn_backend", "per_example and sdpa_mask need cu_seq_lens_q == cu_seq_lens_k (self-attention)"
-        )
+def _same_boundaries(cu_q: torch.Tensor, cu_k: torch.Tensor) -> bool:
+    """Whether the keys are the queries' own tokens (self-attention), not gathered for shared prompts."""
+    return cu_k is cu_q or torch.equal(cu_q, cu_k)
+
+
+def _visible(lq: int, lk: int, causal: bool, window: int | None, device) -> torch.Tensor | None:
+    """(lq, lk) bool, True = attend: the last `lq` of `lk` positions as queries (bottom-right alignment, a
+    continuation's queries after its prompt), causal and windowed as transformers means it; None for plain causal
+    self-attention, which SDPA's own `is_causal` does."""
+    if lq == lk and causal and window is None:
+        return None
+    dist = (torch.arange(lq, device=device) + (lk - lq))[:, None] - torch.arange(lk, device=device)[None, :]
+    mask = dist >= 0 if causal else torch.ones_like(dist, dtype=torch.bool)
+    if window is not None:
+        mask &= dist < window if causal else dist.abs() < window
+    return mask
 
 
 def _attend(q, k, v, *, causal, scale, window, softcap, dropout, mask=None, sink=None, bias=None) -> torch.Tensor:
@@ -216,7 +227,9 @@ def _attend(q, k, v, *, causal, scale, window, softcap, dropout, mask=None, sink
 
 def _per_example(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout, sink=None, bias=None):
     """Exact per-example attention on any device: one SDPA call per distinct example length, cost sum(L^2)."""
-    _same_boundaries(cu_q, cu_k)
+    if not _same_boundaries(cu_q, cu_k):
+        return _per_segment_keys(q, k, v, cu_q, cu_k, causal=causal, scale=scale, window=window, softcap=softcap,
+                                 dropout=dropout, sink=sink)  # fmt: skip
     groups, inverse = length_groups(cu_q)
     opts = {"causal": causal, "scale": scale, "window": window, "softcap": softcap, "dropout": dropout}
     outs = []
@@ -237,6 +250,40 @@ def _per_example(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, so
     return out if inverse is None else out.index_select(0, inverse)
 
 
+_KEY_PLAN_CACHE: dict = {}
+
+
+def _per_segment_keys(q, k, v, cu_q, cu_k, *, causal, scale, window, softcap, dropout, sink):
+    """`_per_example` with gathered keys (shared prompts): segment i's queries attend segment i of `cu_k`, one SDPA
+    call per distinct (queries, keys) shape, cost sum(Lq * Lk)."""
+
+    def build():
+        groups: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        for qa, qb, ka, kb in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+            if qb > qa:
+                starts = groups.setdefault((qb - qa, kb - ka), ([], []))
+                starts[0].append(qa), starts[1].append(ka)
+        plan, order = [], []
+        for (lq, lk), (q_starts, k_starts) in groups.items():
+            q_index = (torch.tensor(q_starts)[:, None] + torch.arange(lq)[None]).reshape(-1)
+            k_index = (torch.tensor(k_starts)[:, None] + torch.arange(lk)[None]).reshape(-1)
+            order.append(q_index)
+            plan.append((len(q_starts), lq, lk, q_index.to(cu_q.device), k_index.to(cu_q.device)))
+        return plan, torch.argsort(torch.cat(order)).to(cu_q.device)
+
+    plan, inverse = _memo(_KEY_PLAN_CACHE, cu_k, "plan", build)
+    outs = []
+    for m, lq, lk, q_index, k_index in plan:
+        qg = q.index_select(0, q_index).view(m, lq, *q.shape[1:]).transpose(1, 2)  # (m, H, Lq, D)
+        kg, vg = (x.index_select(0, k_index).view(m, lk, *x.shape[1:]).transpose(1, 2) for x in (k, v))
+        opts = {"sink": sink.index_select(0, q_index).view(m, lq, -1).transpose(1, 2)} if sink is not None else {}
+        mask = _visible(lq, lk, causal, window, q.device)
+        out = _attend(qg, kg, vg, causal=causal and mask is None, scale=scale, window=None, softcap=softcap,
+                      dropout=dropout, mask=mask, **opts)  # fmt: skip
+        outs.append(out.transpose(1, 2).reshape(-1, *q.shape[1:]))
+    return torch.cat(outs).index_select(0, inverse)
+
+
 def _bias_blocks(bias: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """The (m, H, L, L) diagonal blocks of a (B, H, T, T) score bias for examples at flat token `rows` (m, L)."""
     seq = bias.shape[2]
@@ -251,27 +298,32 @@ _MASK_CACHE: dict = {}
 def _sdpa_block_mask(
     q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout, sink=None, bias=None
 ):
-    """The reference: one SDPA call over all T tokens with a dense (T, T) block-diagonal mask. Cost T^2."""
-    _same_boundaries(cu_q, cu_k)
-    total = q.shape[0]
+    """The reference: one SDPA call over all T tokens with a dense (T, T) block-diagonal mask. Cost T^2. With
+    gathered keys (shared prompts) the mask is (T, Tk): segment i's queries, bottom-right aligned, to its keys."""
+    total, keys = q.shape[0], k.shape[0]
 
     def build() -> torch.Tensor:
-        lengths = (cu_q[1:] - cu_q[:-1]).long()
-        seq = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths, output_size=total)
-        i = torch.arange(total, device=q.device)
-        mask = seq[:, None] == seq[None, :]
+        lq, lk = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
+        segments = torch.arange(len(lq), device=q.device)
+        seq_q = torch.repeat_interleave(segments, lq, output_size=total)
+        seq_k = torch.repeat_interleave(segments, lk, output_size=keys)
+        # each query's and key's place among its segment's keys (a query is the last lq of lk)
+        at_q = torch.arange(total, device=q.device) - cu_q[:-1].long()[seq_q] + (lk - lq)[seq_q]
+        at_k = torch.arange(keys, device=q.device) - cu_k[:-1].long()[seq_k]
+        dist = at_q[:, None] - at_k[None, :]
+        mask = seq_q[:, None] == seq_k[None, :]
         if causal:
-            mask &= i[:, None] >= i[None, :]
+            mask &= dist >= 0
         if window is not None:
-            mask &= (i[:, None] - i[None, :]).abs() < window
-        return mask  # (T, T) bool
+            mask &= dist.abs() < window
+        return mask  # (T, Tk) bool
 
     mask = _memo(_MASK_CACHE, cu_q, (causal, window), build)
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, H, T, D)
     extras = {}
     if sink is not None:
         extras["sink"] = sink.transpose(0, 1).unsqueeze(0)  # (1, H, T)
-    if bias is not None:
+    if bias is not None:  # self-attention only (attention.py refuses a bias with gathered keys)
         extras["bias"] = _bias_blocks(bias, torch.arange(total, device=q.device)[None])
     out = _attend(
         qh, kh, vh, causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout, mask=mask, **extras

@@ -120,15 +120,31 @@ def _chunks(n: int, size: int) -> range:
     return range(0, max(n, 1), max(1, size))  # at least one (maybe empty) chunk keeps the graph connected
 
 
-def head_token_losses(inputs: HeadInputs, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`token_losses` from hidden states: the same (B, T - 1) losses, mask and targets, computed on the label
-    positions only, `inputs.chunk_size` at a time; each chunk is recomputed in the backward instead of kept."""
-    hidden, targets, mask = _label_rows(inputs, labels)
+def _chunked_losses(inputs: HeadInputs, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy (N,) of `targets` from the (N, H) hidden states that predict them, `inputs.chunk_size` at a
+    time; each chunk is recomputed in the backward instead of kept."""
     compute = functools.partial(_chunk_losses, inputs)
     if torch.is_grad_enabled() and hidden.requires_grad:
         compute = functools.partial(checkpoint, compute, use_reentrant=False)
     size = inputs.chunk_size
-    flat = torch.cat([compute(hidden[i : i + size], targets[i : i + size]) for i in _chunks(len(targets), size)])
+    return torch.cat([compute(hidden[i : i + size], targets[i : i + size]) for i in _chunks(len(targets), size)])
+
+
+def predicted_losses(outputs: torch.Tensor | HeadInputs, sources: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy (N,) of `targets` (N,) each predicted from position `sources` (N,) of a one-row batch, from
+    logits (1, T, V) or `HeadInputs` (chunked: no (T, V) logits). A position may predict several targets (a shared
+    prompt's last: both continuations' first tokens); its gradient then sums theirs."""
+    if isinstance(outputs, HeadInputs):
+        return _chunked_losses(outputs, outputs.hidden[0].index_select(0, sources), targets)
+    logits = outputs[0].index_select(0, sources)
+    return F.cross_entropy(logits.to(_loss_dtype(logits.dtype)), targets, reduction="none")
+
+
+def head_token_losses(inputs: HeadInputs, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`token_losses` from hidden states: the same (B, T - 1) losses, mask and targets, computed on the label
+    positions only, `inputs.chunk_size` at a time; each chunk is recomputed in the backward instead of kept."""
+    hidden, targets, mask = _label_rows(inputs, labels)
+    flat = _chunked_losses(inputs, hidden, targets)
     losses = flat.new_zeros(mask.shape).masked_scatter(mask, flat)  # (B, T - 1): label losses in place, 0 elsewhere
     return losses, mask, labels[:, 1:]
 

@@ -40,7 +40,16 @@ from typing import Any, Literal
 import torch
 
 from lit_packing._compat import mixer_kernels
-from lit_packing.batch import CU_SEQ_LENS_K, CU_SEQ_LENS_Q, MAX_LENGTH_K, MAX_LENGTH_Q, POSITION_IDS, SEQ_IDX
+from lit_packing.batch import (
+    CU_SEQ_LENS_K,
+    CU_SEQ_LENS_Q,
+    KEY_INDEX,
+    MAX_LENGTH_K,
+    MAX_LENGTH_Q,
+    POSITION_IDS,
+    SEQ_IDX,
+)
+from lit_packing.errors import ConfigError
 from lit_packing.models.segments import boundaries_from_positions, length_groups, seq_idx
 from lit_packing.text import count
 
@@ -171,8 +180,22 @@ def describe_routes(routes: list[MixerRoute]) -> str:
     return f"{count(len(routes), 'token mixer')} besides attention: {'; '.join(parts)}"
 
 
+def refuse_shared_prompt(routes: list[MixerRoute]) -> None:
+    """Shared prompts need every token mixer to let two continuations start from one prompt: attention reads the
+    prompt's keys twice, but a scan or convolution carries a state that would have to fork after the prompt."""
+    if routes:
+        raise ConfigError(
+            "data.collator.init_args.share_prompt",
+            f"{count(len(routes), 'token mixer')} besides attention ({routes[0].kind}) would have to fork their "
+            "state after each prompt for its two continuations",
+            "set {share_prompt}=false for this model (its pairs run as two sequences)",
+        )
+
+
 def _read_boundaries(state: _Boundaries) -> Callable:
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if kwargs.get(KEY_INDEX) is not None:
+            refuse_shared_prompt(state.routes)
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         shape = (ids if ids is not None else embeds).shape[:2] if (ids is not None or embeds is not None) else None

@@ -32,9 +32,16 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from lit_packing.batch import CU_SEQ_LENS_Q, LABELS, PAIRS
+from lit_packing.batch import CU_SEQ_LENS_Q, IGNORE_INDEX, LABELS, PAIRS, PROMPTS
 from lit_packing.errors import ConfigError, check_range
-from lit_packing.models.loss import HeadInputs, batch_segments, head_token_losses, per_example_losses, token_losses
+from lit_packing.models.loss import (
+    HeadInputs,
+    batch_segments,
+    head_token_losses,
+    per_example_losses,
+    predicted_losses,
+    token_losses,
+)
 
 Objective = Literal["dpo", "ipo", "simpo", "orpo"]
 OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
@@ -102,12 +109,31 @@ class PreferenceParts:
 def sequence_logps(outputs: torch.Tensor | HeadInputs, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed log-probabilities of every segment's label tokens and their counts: two (S,) tensors, S the segments
     of `cu_seq_lens_q`. From logits (B, T, V) or `HeadInputs` (chunk by chunk, no (T, V) logits)."""
+    if PROMPTS in batch:
+        return _shared_prompt_logps(outputs, batch)
     if isinstance(outputs, HeadInputs):
         losses, mask, _ = head_token_losses(outputs, batch[LABELS])
     else:
         losses, mask, _ = token_losses(outputs, batch[LABELS])
     sums, counts = per_example_losses(losses, mask, batch_segments(batch), batch[CU_SEQ_LENS_Q].shape[0] - 1)
     return -sums, counts
+
+
+def _shared_prompt_logps(outputs: torch.Tensor | HeadInputs, batch: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+    """`sequence_logps` of a row with shared prompts (`PairCollator(share_prompt=True)`): a continuation's first
+    token is predicted from its prompt's last position (not the token before it in the row, the chosen
+    continuation's last for the rejected one), so that position predicts two tokens; every other label is
+    predicted from the position before it, as unshared."""
+    labels = batch[LABELS][0]
+    cu = batch[CU_SEQ_LENS_Q].to(labels.device).long()
+    pairs, prompts = batch[PAIRS].to(labels.device), batch[PROMPTS].to(labels.device)
+    sources = torch.arange(-1, len(labels) - 1, device=labels.device)  # position 0 is never a label
+    sources[cu[:-1][pairs].reshape(-1)] = (cu[1:][prompts] - 1).repeat_interleave(2)
+    where = torch.nonzero(labels != IGNORE_INDEX).reshape(-1)
+    losses = predicted_losses(outputs, sources[where], labels[where])
+    segments, n = batch_segments(batch)[0, where], cu.shape[0] - 1
+    sums = losses.new_zeros(n).index_add_(0, segments, losses)
+    return -sums, losses.new_zeros(n).index_add_(0, segments, torch.ones_like(losses))
 
 
 def pair_logps(outputs: torch.Tensor | HeadInputs, batch: Mapping[str, Any]) -> PairLogps:

@@ -27,7 +27,9 @@ from lit_packing.batch import (
     LABELS,
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
+    PAIRS,
     POSITION_IDS,
+    PROMPTS,
 )
 from lit_packing.errors import IsolationError
 from lit_packing.models.kernels import compute_dtype
@@ -70,17 +72,24 @@ def sample_packed(
     """
     cu = batch[CU_SEQ_LENS_Q].cpu().tolist()
     labels = batch[LABELS][0].cpu() if LABELS in batch else None
-    # Real examples only: a segment without labels is the collator's tail padding or an empty pack's token.
-    spans = [
-        (a, min(b, a + max_example_tokens))
-        for a, b in zip(cu[:-1], cu[1:])
+    # Real examples only: a segment without labels is the collator's tail padding or an empty pack's token. With
+    # shared prompts an example is a prompt and one continuation, put back together (the gathered-key attention
+    # itself is the tests' to check: tests/models/test_shared_prompt.py).
+    prompt_of = {}
+    if PROMPTS in batch:
+        for prompt, sides in zip(batch[PROMPTS].tolist(), batch[PAIRS].tolist()):
+            prompt_of.update(dict.fromkeys(sides, prompt))
+    examples = [
+        ([(cu[prompt_of[s]], cu[prompt_of[s] + 1])] if s in prompt_of else []) + [(a, b)]
+        for s, (a, b) in enumerate(zip(cu[:-1], cu[1:]))
         if b > a and (labels is None or bool((labels[a:b] != IGNORE_INDEX).any()))
     ][:max_examples]
-    ids = [batch[INPUT_IDS][0, a:b].cpu() for a, b in spans]
-    pos = [batch[POSITION_IDS][0, a:b].cpu() for a, b in spans]
+    index = [torch.cat([torch.arange(a, b) for a, b in spans])[:max_example_tokens] for spans in examples]
+    ids = [batch[INPUT_IDS][0].cpu()[i] for i in index]
+    pos = [batch[POSITION_IDS][0].cpu()[i] for i in index]
     if vocab_size is not None:
         gen = torch.Generator().manual_seed(0)
-        for j in range(max_examples - len(spans)):
+        for j in range(max_examples - len(examples)):
             ids.append(torch.randint(vocab_size, (5 + 3 * j,), generator=gen))
             pos.append(torch.arange(5 + 3 * j))
     lengths = [len(x) for x in ids]
