@@ -23,6 +23,7 @@ CORE = ("lit_packing.batch", "lit_packing.cost", "lit_packing.errors", "lit_pack
         "lit_packing.models.probe", "lit_packing.models.pack", "lit_packing.models.head", "lit_packing.models.optim",
         "lit_packing.models.weights", "lit_packing.models.sharding", "lit_packing.models.preference")  # fmt: skip
 LIGHTNING = ("lit_packing.assets", "lit_packing.loggers", "lit_packing.contract", "lit_packing.checkpoint_io",
+             "lit_packing.strategies",
              "lit_packing.data", "lit_packing.models", "lit_packing.callbacks", "lit_packing.configs")  # fmt: skip
 CLI = ("lit_packing.cli", "lit_packing.preflight")
 TOOLS = ("lit_packing.packing_report",)  # the benchmark is not in the package: benchmarks/ in the checkout

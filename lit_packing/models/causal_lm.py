@@ -36,7 +36,7 @@ from lightning.pytorch import Callback, LightningModule
 from tqdm.auto import tqdm
 
 from lit_packing._compat import accumulates, attached_trainer, compiled_graphs, foreach_norm
-from lit_packing.batch import LABELS, PROMPTS, ROWS, STEP, StepShape, is_packed, model_inputs
+from lit_packing.batch import LABELS, ROWS, STEP, StepShape, is_packed, model_inputs
 from lit_packing.contract import DataContract, DataModelConnection, ModelContract, PairSplit
 from lit_packing.cost import model_shape
 from lit_packing.errors import AssetError, ConfigError, DataError, TrainingError, check_range
@@ -60,7 +60,7 @@ from lit_packing.models.memory import (
     increasing,
     memory_model,
 )
-from lit_packing.models.mixers import MixerChoice, refuse_shared_prompt
+from lit_packing.models.mixers import MixerChoice
 from lit_packing.models.optim import lr_schedule, parameter_groups
 from lit_packing.models.pack import pack_model
 from lit_packing.models.preference import (
@@ -559,8 +559,6 @@ class PackedCausalLM(LightningModule):
 
     def loss_outputs(self, batch: Mapping[str, Any]) -> torch.Tensor | HeadInputs:
         """What the loss reads: full logits (`loss_impl=full`) or `HeadInputs`."""
-        if PROMPTS in batch:
-            refuse_shared_prompt(self.packing.mixers)
         return self(batch) if self.hparams.loss_impl == "full" else self.head_inputs(batch)
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:

@@ -143,7 +143,10 @@ def keep_mixers_apart(
         state = _Boundaries(routes=[MixerRoute(name, type(m).__name__, "per_example", "") for name, m in mixers])
         if not mixers:
             return state.routes
-        model.register_forward_pre_hook(_read_boundaries(state), with_kwargs=True)
+        # On the decoder (`base_model`), which every forward goes through: the whole model's, and the memory-lean
+        # head's, which calls the decoder alone (a hook on the whole model saw no boundaries there, and the mixers
+        # ran the row as one sequence, or on the previous batch's boundaries).
+        model.base_model.register_forward_pre_hook(_read_boundaries(state), with_kwargs=True)
         for (_, module), route in zip(mixers, state.routes):
             # bound to the module (a deep copy of the model rebinds it to the copy); `state` is shared with the hook
             module.forward = types.MethodType(_route(type(module).forward, state, route), module)

@@ -91,6 +91,24 @@ def test_boundaries_reach_the_mixers_from_position_ids_alone(family):
     torch.testing.assert_close(full, bare, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["bamba", "qwen3_next", "lfm2"])
+def test_the_memory_lean_head_runs_the_mixers_per_example_too(family):
+    """`head_inputs` (the chunked loss's path, the default) calls the decoder alone: its mixers still get this
+    batch's boundaries, not none and not those of the whole model's previous forward (before: Bamba 2.4 away from
+    each example run alone, Qwen3-Next 0.28, LFM2 1.8e-3)."""
+    from lit_packing.models.head import head_inputs
+
+    model = _hybrid(family).eval()
+    first = PackedCollator()([{"input_ids": list(range(3, 3 + n))} for n in (5, 15)])
+    batch = PackedCollator()([{"input_ids": list(range(3, 3 + n))} for n in (7, 4, 9)])
+    with torch.no_grad():
+        model(**{k: first[k] for k in MODEL_KEYS if k in first}, use_cache=False)  # other boundaries, 20 tokens
+        hidden = head_inputs(model, batch).hidden[0]
+        alone = torch.cat([model.base_model(input_ids=torch.arange(3, 3 + n)[None]).last_hidden_state[0]
+                           for n in (7, 4, 9)])  # fmt: skip
+    torch.testing.assert_close(hidden, alone, atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["bamba", "qwen3_next"])
 def test_gradient_checkpointing_recomputes_the_mixers_per_example(family):
     """The backward pass recomputes each checkpointed layer: its mixers read the same boundaries again."""
