@@ -125,6 +125,7 @@ class _Boundaries:
     cu: torch.Tensor | None = None
     tokens: int = 0
     routes: list[MixerRoute] = field(default_factory=list)
+    inside: bool = False  # within the whole model's forward, whose arguments set the boundaries
 
 
 def keep_mixers_apart(
@@ -143,10 +144,13 @@ def keep_mixers_apart(
         state = _Boundaries(routes=[MixerRoute(name, type(m).__name__, "per_example", "") for name, m in mixers])
         if not mixers:
             return state.routes
-        # On the decoder (`base_model`), which every forward goes through: the whole model's, and the memory-lean
-        # head's, which calls the decoder alone (a hook on the whole model saw no boundaries there, and the mixers
-        # ran the row as one sequence, or on the previous batch's boundaries).
-        model.base_model.register_forward_pre_hook(_read_boundaries(state), with_kwargs=True)
+        # Read from the whole model's arguments (a state-space decoder is not handed the positions), and from the
+        # decoder's when it is called alone, as the memory-lean head does: with the whole model's only, the mixers
+        # ran the head's row as one sequence, or on the previous batch's boundaries.
+        model.register_forward_pre_hook(_read_boundaries(state, outer=True), with_kwargs=True)
+        model.register_forward_hook(_leave(state), always_call=True)
+        if model.base_model is not model:
+            model.base_model.register_forward_pre_hook(_read_boundaries(state, outer=False), with_kwargs=True)
         for (_, module), route in zip(mixers, state.routes):
             # bound to the module (a deep copy of the model rebinds it to the copy); `state` is shared with the hook
             module.forward = types.MethodType(_route(type(module).forward, state, route), module)
@@ -195,10 +199,16 @@ def refuse_shared_prompt(routes: list[MixerRoute]) -> None:
         )
 
 
-def _read_boundaries(state: _Boundaries) -> Callable:
+def _read_boundaries(state: _Boundaries, outer: bool) -> Callable:
+    """A pre-hook that records the call's boundaries in `state`: on the whole model (`outer`) always, on its
+    decoder only when the decoder is called alone (within the whole model's forward, the whole model's hold)."""
+
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if kwargs.get(KEY_INDEX) is not None:
             refuse_shared_prompt(state.routes)
+        if not outer and state.inside:
+            return
+        state.inside = outer
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         shape = (ids if ids is not None else embeds).shape[:2] if (ids is not None or embeds is not None) else None
@@ -208,6 +218,13 @@ def _read_boundaries(state: _Boundaries) -> Callable:
         if cu is not None and (shape is None or shape[0] != 1 or len(cu) <= 2):
             cu = None  # a batch of whole rows, or one example: the mixers run as transformers wrote them
         state.cu, state.tokens = cu, (shape[1] if shape is not None else 0)
+
+    return hook
+
+
+def _leave(state: _Boundaries) -> Callable:
+    def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        state.inside = False
 
     return hook
 
