@@ -91,7 +91,7 @@ def test_boundaries_reach_the_mixers_from_position_ids_alone(family):
     torch.testing.assert_close(full, bare, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["bamba", "qwen3_next", "lfm2"])
+@pytest.mark.parametrize("family", ["bamba", "qwen3_next", "lfm2", "mamba2"])
 def test_the_memory_lean_head_runs_the_mixers_per_example_too(family):
     """`head_inputs` (the chunked loss's path, the default) calls the decoder alone: its mixers still get this
     batch's boundaries, not none and not those of the whole model's previous forward (before: Bamba 2.4 away from
