@@ -392,11 +392,18 @@ def test_the_paper_config_with_the_fsdp2_delta_trains_the_ddp_runs_losses(tmp_pa
 @pytest.mark.slow
 def test_dpo_sharded_trains_the_ddp_runs_losses_with_either_reference(tmp_path):
     """`--config dpo --config fsdp2` on 2 ranks (CHAMP pairs, 3 steps) against DDP: with the precomputed reference
-    (each rank's share of the pass through the sharded model, gathered) and with a frozen copy, the same losses."""
+    (each rank's share of the pass through the sharded model, gathered) and with a frozen copy, the same losses.
+    Each run its own data cache: the reference log-probs are cached beside the tokenized data."""
     pairs = ("--data.limit=48", "--data.val_split=8", "--data.max_length=2048",
              "--data.sampler.init_args.max_tokens=4096", "--trainer.max_steps=3", "--model.lr=1e-4")  # fmt: skip
     runs = {
-        name: cli_fit(tmp_path, name, *extra, base="dpo", after=(*pairs, f"--model.reference={reference}"))
+        name: cli_fit(
+            tmp_path,
+            name,
+            *extra,
+            base="dpo",
+            after=(*pairs, f"--model.reference={reference}", f"--data.cache_dir={tmp_path / name}-cache"),
+        )
         for name, extra, reference in [
             ("fsdp2", ("--config", "fsdp2"), "precomputed"),
             ("fsdp2_copy", ("--config", "fsdp2"), "copy"),
