@@ -52,7 +52,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     nothing in `TMPDIR`: see the module's docstring."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        if not isinstance(get_filesystem(path), LocalFileSystem):
+        if not is_local(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
         if storage_options is not None:
@@ -63,6 +63,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         """The file to stream a checkpoint into, in `folder`, and whether it is unnamed (`O_TMPFILE`, linked as
         `partial` once complete) or `partial` itself. A subclass may write elsewhere (tests: a failing disk)."""
         return open_partial(folder, partial)
+
+
+def is_local(path: Any) -> bool:
+    """Whether `path` is on this machine's filesystem (not `s3://...` or another fsspec filesystem)."""
+    return isinstance(get_filesystem(str(path)), LocalFileSystem)
 
 
 def open_partial(folder: Path, partial: Path) -> tuple[IO[bytes], bool]:

@@ -17,10 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from lit_packing.checkpoint_io import PARTIAL_SUFFIX, hidden, remove, replace_folder
+from lit_packing.checkpoint_io import PARTIAL_SUFFIX, hidden, is_local, remove, replace_folder
 
 LIGHTNING_MODEL_PARALLEL = "lightning.pytorch.strategies.ModelParallelStrategy"
 
@@ -29,8 +28,7 @@ class ShardedStrategy(ModelParallelStrategy):
     """`ModelParallelStrategy` with atomic distributed checkpoints (the module's docstring)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        local = type(get_filesystem(str(filepath))).__name__ == "LocalFileSystem"
-        if not self._save_distributed_checkpoint or storage_options is not None or not local:
+        if not self._save_distributed_checkpoint or storage_options is not None or not is_local(filepath):
             super().save_checkpoint(checkpoint, filepath, storage_options)  # one file (AtomicCheckpointIO), or remote
             return
         path = Path(self.broadcast(str(filepath)))
