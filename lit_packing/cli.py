@@ -15,6 +15,7 @@ known-harmless warnings off.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import os
@@ -45,6 +46,7 @@ from lit_packing.checkpoint_io import AtomicCheckpointIO, clear_leftovers
 from lit_packing.data import PackingDataModule
 from lit_packing.errors import AssetError, ConfigError, LitPackingError, TrainingError
 from lit_packing.models import PackedCausalLM
+from lit_packing.models.materialize import deferred_weights
 from lit_packing.preflight import Position, check_left_to_train, preflight, read_checkpoint, read_position
 from lit_packing.processes import tie_to_launcher
 from lit_packing.strategies import LIGHTNING_MODEL_PARALLEL, ShardedStrategy
@@ -61,6 +63,7 @@ DEFAULT_LOGGERS = [
 ]
 # Settings set through another (`link_arguments`): an error about one is about the setting the user gave.
 LINKED = {"data.tokenizer": "model.name_or_path"}
+SHARDED = f"{ShardedStrategy.__module__}.{ShardedStrategy.__name__}"
 # Lightning's advertising, and messages that our own defaults make harmless (each explained where it is filtered).
 QUIET_LOG_MESSAGES = ("💡 Tip:",)
 QUIET_WARNINGS = (
@@ -211,6 +214,15 @@ class PackingCLI(LightningCLI):
         if subcommand in ("validate", "test") and not any(a.startswith("--trainer.logger") for a in given):
             settings.trainer.logger = False  # the metrics are printed; a run folder is made only when asked
 
+    def instantiate_classes(self) -> None:
+        """As Lightning's; under a sharded strategy the model is built on the meta device (`deferred_weights`) and
+        filled once sharded, each rank its shards only."""
+        settings = self.config[self.subcommand] if self.subcommand else self.config
+        strategy = settings.get("trainer", {}).get("strategy")
+        sharded = isinstance(strategy, Namespace) and strategy.get("class_path") == SHARDED
+        with deferred_weights() if sharded else contextlib.nullcontext():
+            super().instantiate_classes()
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(PackingMonitor, "packing_monitor")
         parser.add_lightning_class_args(TokenThroughputMonitor, "throughput_monitor")
@@ -282,11 +294,10 @@ def sharded_strategy(strategy):
     (`--trainer.strategy=ModelParallelStrategy`, which Lightning's Trainer would refuse as a strategy name), as
     `strategies.ShardedStrategy` with the same settings: its distributed checkpoints are written atomically.
     Any other strategy is returned as it is."""
-    sharded = f"{ShardedStrategy.__module__}.{ShardedStrategy.__name__}"
-    if isinstance(strategy, str) and strategy in ("ModelParallelStrategy", LIGHTNING_MODEL_PARALLEL):
-        return Namespace(class_path=sharded, init_args=Namespace())
+    if isinstance(strategy, str) and strategy in ("ModelParallelStrategy", LIGHTNING_MODEL_PARALLEL, SHARDED):
+        return Namespace(class_path=SHARDED, init_args=Namespace())
     if isinstance(strategy, Namespace) and strategy.get("class_path") == LIGHTNING_MODEL_PARALLEL:
-        strategy.class_path = sharded
+        strategy.class_path = SHARDED
     return strategy
 
 

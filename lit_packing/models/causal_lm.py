@@ -36,14 +36,16 @@ from lightning.pytorch import Callback, LightningModule
 from tqdm.auto import tqdm
 
 from lit_packing._compat import accumulates, attached_trainer, compiled_graphs, foreach_norm
+from lit_packing.assets import resolve_pretrained
 from lit_packing.batch import LABELS, ROWS, STEP, StepShape, is_packed, model_inputs
 from lit_packing.contract import DataContract, DataModelConnection, ModelContract, PairSplit
 from lit_packing.cost import model_shape
 from lit_packing.errors import AssetError, ConfigError, DataError, TrainingError, check_range
 from lit_packing.models.backends import AttnBackend, VarlenImpl, precision_note, select_varlen_impl
+from lit_packing.models.export import export_model, export_sharded
 from lit_packing.models.guard import check_packed_batch
 from lit_packing.models.head import check_liger, head_inputs
-from lit_packing.models.loading import DType, build_model
+from lit_packing.models.loading import DType, build_model, finish_build
 from lit_packing.models.loss import (
     HeadInputs,
     LossImpl,
@@ -52,6 +54,16 @@ from lit_packing.models.loss import (
     causal_lm_loss,
     check_loss_settings,
     eval_sums,
+)
+from lit_packing.models.materialize import (
+    LORA_SETTING,
+    Weights,
+    deferring,
+    initialize,
+    is_meta,
+    local_folder,
+    lora_init_supported,
+    materialize,
 )
 from lit_packing.models.memory import (
     MemoryEstimate,
@@ -82,7 +94,6 @@ from lit_packing.models.selftest import check_isolation
 from lit_packing.models.sharding import (
     clip_grad_norm,
     data_parallel_mesh,
-    full_state_dict,
     is_sharded,
     local_tensor,
     shard_count,
@@ -91,7 +102,7 @@ from lit_packing.models.sharding import (
     tensor_parallel_plan,
     tensor_parallel_size,
 )
-from lit_packing.models.weights import apply_umask, check_finite_weights, describe_model, weights_mismatch
+from lit_packing.models.weights import describe_model, weights_mismatch
 from lit_packing.text import count
 
 log = logging.getLogger(__name__)
@@ -209,33 +220,50 @@ class PackedCausalLM(LightningModule):
         _check_settings(self.hparams)
         with _named_model_settings():
             check_loss_settings(loss_impl, loss_chunk_size, loss_normalization)
+        # Under a sharded strategy (the CLI's `deferred_weights`, or Lightning's `init_module(empty_init=True)`) the
+        # model is a skeleton on the meta device, filled once sharded (`configure_model`); this module's own state
+        # (metrics) is real either way.
+        self._deferred = deferring()
+        with torch.device("cpu") if self._deferred else contextlib.nullcontext():
+            self._build(lora)
+
+    def _build(self, lora: dict | None) -> None:
+        hp = self.hparams
         # Built on the host and checked for the device this machine trains on (a GPU backend on a machine without
         # one fails here); `setup` resolves once more for the trainer's device (`Packing.to_device`).
         device = "cuda" if torch.cuda.is_available() else "cpu"
         with _named_model_settings():
             self.model, self.packing = build_model(
-                name_or_path, model_config, vocab_size, dtype, attn_backend, device, mixers, isolation_check,
-                resize_embeddings, gradient_checkpointing, lora, check_head=loss_impl != "full",
+                hp.name_or_path, hp.model_config, hp.vocab_size, hp.dtype, hp.attn_backend, device, hp.mixers,
+                hp.isolation_check, hp.resize_embeddings, hp.gradient_checkpointing, lora,
+                check_head=hp.loss_impl != "full", deferred=self._deferred,
             )  # fmt: skip
-        with _named_model_settings():
-            self.preference = preference_settings(objective, beta, simpo_gamma_beta_ratio, reference, lora)
+            self.preference = preference_settings(hp.objective, hp.beta, hp.simpo_gamma_beta_ratio, hp.reference, lora)
+        if self._deferred and not lora_init_supported(lora):
+            raise ConfigError(LORA_SETTING, f"init_lora_weights={lora['init_lora_weights']!r} is not made on the "
+                              "meta-device build of a sharded strategy (only peft's default)",
+                              "leave init_lora_weights unset, or train with trainer.strategy=ddp")  # fmt: skip
+        if not self._deferred and (hp.model_config is not None or (lora and lora_init_supported(lora))):
+            # A random init the sharded build gives too, on any number of ranks (`materialize.initialize`).
+            initialize(self.model, torch.initial_seed(), only=None if hp.model_config is not None else _adapter)
         # dpo / ipo with reference=copy: the initial model, frozen; held outside the module tree (not trained, not
-        # saved in checkpoints), placed on the trainer's device at fit start.
+        # saved in checkpoints), placed on the trainer's device at fit start (sharded like the policy when it is).
         self._reference: list[torch.nn.Module] = []
-        if self.preference is not None and self.preference.needs_reference and reference == "copy":
+        if self.preference is not None and self.preference.needs_reference and hp.reference == "copy":
             self._reference.append(copy.deepcopy(self.model).eval().requires_grad_(False))
-            pack_model(self._reference[0], "per_example")  # a copy is a new model: through the door, on the host
+            if not self._deferred:
+                pack_model(self._reference[0], "per_example")  # a copy is a new model: through the door, on the host
         # reference=precomputed: the initial weights' identity (before any checkpoint loads others) keys the tables,
         # computed or read at fit start, kept by the split's data fingerprint (host) and by stage (on the device).
-        self._precomputed = bool(self.preference and self.preference.needs_reference and reference == "precomputed")
-        self._initial_weights = weights_fingerprint(self.model) if self._precomputed else None
+        self._precomputed = bool(self.preference and self.preference.needs_reference and hp.reference == "precomputed")
+        self._initial_weights = weights_fingerprint(self.model) if self._precomputed and not self._deferred else None
         self._reference_tables: dict[str, ReferenceTable] = {}
         self._stage_tables: dict[str, tuple[ReferenceTable, str]] = {}  # stage -> (table on the device, its name)
         self._loaded_weights = False  # a checkpoint's weights loaded: the policy is no longer the initial model
         self._metric_names: list[str] = []  # the preference metrics summed in `_step_totals` after loss and count
         self.eval_metrics = torch.nn.ModuleDict({stage: _eval_metrics() for stage in ("val", "test")})
         self._step_totals: torch.Tensor | None = None  # [token loss sum, label tokens] of this step on this rank
-        self._isolation_pending = isolation_check
+        self._isolation_pending = hp.isolation_check
         self.nonfinite_steps = 0  # optimizer steps skipped under nonfinite=skip
         self._step_rows: list[int] = []  # source rows of the examples in the optimizer step under way (host-side)
         self._graphs_after_first_step: int | None = None  # torch.compile graphs compiled by the end of step 1
@@ -285,12 +313,21 @@ class PackedCausalLM(LightningModule):
                 "use auto, ddp, ModelParallelStrategy (FSDP2) or fsdp (FSDP1, CUDA GPUs only)",
             )
         device = self.trainer.strategy.root_device
-        with _named_model_settings():
-            self.packing.to_device(self.model, device)
+        if self.packing is not None:  # a deferred model is packed once it holds its values (`configure_model`)
+            self._place_backend(device)
         self._check_token_ids()
         if not getattr(self, "_described", False):  # once per process: what Lightning's model summary would say
             log.info(describe_model(self.model))
             self._described = True
+        if self.hparams.compile and not getattr(self, "_compiled", False):
+            # The decoder, which both the loss (hidden states) and `forward` (logits) run through.
+            self.hf_model.base_model.compile(dynamic=None)
+            self._compiled = True
+
+    def _place_backend(self, device: torch.device) -> None:
+        """The attention backend resolved for the trainer's device and set, said in one line."""
+        with _named_model_settings():
+            self.packing.to_device(self.model, device)
         how = " (auto)" if self.hparams.attn_backend == "auto" else ""
         if self.attn_backend == "torch_varlen":
             with _named_model_settings():
@@ -301,29 +338,51 @@ class PackedCausalLM(LightningModule):
             log.warning(note)
         if self.hparams.loss_impl == "liger":
             check_liger(device, self.hf_model.get_output_embeddings())
-        if self.hparams.compile and not getattr(self, "_compiled", False):
-            # The decoder, which both the loss (hidden states) and `forward` (logits) run through.
-            self.hf_model.base_model.compile(dynamic=None)
-            self._compiled = True
 
     def configure_model(self) -> None:
         """Under `ModelParallelStrategy`: split attention heads and MLP columns over the strategy's tensor-parallel
         ranks when it has several, then shard every decoder layer, then the root, with FSDP2 over its data-parallel
-        mesh (`sharding.shard_model`); with any other strategy nothing (Lightning wraps the model)."""
+        mesh (`sharding.shard_model`); a model built on the meta device (`materialize.deferred_weights`) is then
+        filled, each rank its shards only, and packed. With any other strategy, a deferred model is filled whole on
+        the trainer's device; otherwise nothing (Lightning wraps the model)."""
         mesh = getattr(self, "_device_mesh", None)  # set by ModelParallelStrategy only
-        if mesh is None or is_sharded(self.model):
+        if is_sharded(self.model) or (mesh is None and not is_meta(self.model)):
             return
-        tp = tensor_parallel_size(mesh)
-        if tp > 1:
-            tensor_parallel_plan(self.model, tp)  # refused before any collective
-        if self.hparams.model_config is not None:
-            self._broadcast_initial_weights()
-        plan = shard_model(self.model, mesh, str(self.trainer.precision))
-        log.info(
-            "FSDP2: %d %s layers and the root sharded over %d data-parallel ranks%s",
-            len(plan.layers), plan.layer_class, data_parallel_mesh(mesh).size(),
-            f", attention heads and MLP columns split over {tp} tensor-parallel ranks" if tp > 1 else "",
-        )  # fmt: skip
+        if mesh is not None:
+            tp = tensor_parallel_size(mesh)
+            if tp > 1:
+                tensor_parallel_plan(self.model, tp)  # refused before any collective
+            if self.hparams.model_config is not None and not self._deferred:
+                self._broadcast_initial_weights()
+            for model in [self.model, *(self._reference if self._deferred else [])]:  # a whole-built copy stays whole
+                plan = shard_model(model, mesh, str(self.trainer.precision))
+            log.info(
+                "FSDP2: %d %s layers and the root sharded over %d data-parallel ranks%s",
+                len(plan.layers), plan.layer_class, data_parallel_mesh(mesh).size(),
+                f", attention heads and MLP columns split over {tp} tensor-parallel ranks" if tp > 1 else "",
+            )  # fmt: skip
+        if is_meta(self.model):
+            self._materialize()
+
+    def _materialize(self) -> None:
+        """Fill the deferred model (and a reference copy) where it trains, then pack it (`loading.finish_build`)."""
+        hp, strategy, start = self.hparams, self.trainer.strategy, time.perf_counter()
+        device = strategy.root_device
+        folder = None if hp.model_config is not None else local_folder(resolve_pretrained(hp.name_or_path))
+        weights = Weights(hp.name_or_path, folder, strategy.broadcast(torch.initial_seed()))
+        for model in [self.model, *self._reference]:
+            materialize(model, device, weights)
+        log.info("weights %s in %.1f s: %s on this rank", f"read from {folder}" if folder else "initialised",
+                 time.perf_counter() - start, count(sum(local_tensor(p).numel() for p in self.model.parameters()),
+                 "parameter"))  # fmt: skip
+        with _named_model_settings():
+            self.packing = finish_build(self.model, hp.attn_backend, device, hp.mixers, hp.isolation_check,
+                                        check_head=hp.loss_impl != "full")  # fmt: skip
+            for reference in self._reference:
+                finish_build(reference, "per_example", device, hp.mixers, check=False, check_head=False)
+        self._place_backend(device)
+        if self._precomputed:
+            self._initial_weights = strategy.broadcast(weights_fingerprint(self.model))
 
     def _broadcast_initial_weights(self) -> None:
         """A random init is rank 0's on every rank (as DDP does at wrap), so that each rank's shard is of one model."""
@@ -375,6 +434,9 @@ class PackedCausalLM(LightningModule):
         self.packing.route_mixers(self.model)  # on the trainer's device now: the probe decides any kernel route
         dtype = next(self.model.parameters()).dtype  # the precision plugin's (64-true converts the policy)
         for reference in self._reference:  # a packed model like the policy, on its device
+            if self._deferred:  # built, sharded and packed with the policy (`configure_model`)
+                reference.to(dtype=dtype)
+                continue
             pack_model(reference.to(device=self.device, dtype=dtype), self.attn_backend, self.device)
         self._reference_logps("train", "val")
 
@@ -758,39 +820,31 @@ class PackedCausalLM(LightningModule):
         return lr_schedule(kind, hp.warmup_steps, max(1, int(total)), hp.min_lr_ratio)
 
     def on_fit_end(self) -> None:
-        if not self.hparams.export_dir:
-            return
-        # Sharded, every rank gathers the whole weights to rank 0 (a collective), which writes one folder.
-        state = full_state_dict(self.model) if is_sharded(self.model) else None
-        if self.trainer.is_global_zero:
-            self.export(self.hparams.export_dir, state)
+        if self.hparams.export_dir:
+            self.export(self.hparams.export_dir)
 
-    def export(self, path: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        """`save_pretrained` the model (LoRA: the adapters) and, when one is known, the tokenizer.
-
-        Args:
-            path: the folder written.
-            state_dict: the whole weights of a sharded model (`sharding.full_state_dict`), written in place of its
-                parameters (each rank's shard).
+    def export(self, path: str) -> None:
+        """Write the model as a Hugging Face folder (LoRA: the adapters) and, when one is known, the tokenizer.
+        Sharded, a collective every rank calls, which writes the folder file by file without gathering the whole
+        model anywhere (`export.export_sharded`).
 
         Raises:
             TrainingError: a weight is NaN or infinite; nothing is written.
         """
-        check_finite_weights(self.model, path, state_dict)
-        self.model.save_pretrained(path, **({} if state_dict is None else {"state_dict": state_dict}))
         tokenizer = self._data.tokenizer if self._data is not None else None
         if tokenizer is None and self.hparams.model_config is None:
             with contextlib.suppress(Exception):  # a tokenizer is a nicety here: the weights are what matters
                 from transformers import AutoTokenizer
 
-                from lit_packing.assets import resolve_pretrained
+                tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained(self.hparams.name_or_path, False))
+        if is_sharded(self.model):
+            export_sharded(self.model, path, tokenizer)
+        elif (trainer := attached_trainer(self)) is None or trainer.is_global_zero:
+            export_model(self.model, path, tokenizer)
 
-                folder = resolve_pretrained(self.hparams.name_or_path, with_model=False)
-                tokenizer = AutoTokenizer.from_pretrained(folder)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(path)
-        apply_umask(path)
-        log.info("exported the model%s to %s", " and tokenizer" if tokenizer is not None else "", path)
+
+def _adapter(name: str) -> bool:
+    return ".lora_" in name
 
 
 def _check_settings(hp: Mapping[str, Any]) -> None:

@@ -2,7 +2,8 @@
 `pack_model`, then gradient checkpointing, LoRA and the LM-head check, in that order.
 
     model, packing = load_causal_lm("smollm2", backend="auto")     # a packed transformers model, what was found
-    built = build_model(ModelSettings(name_or_path="smollm2", lora={"r": 8}))   # the whole sequence
+    model, packing = build_model("smollm2", lora={"r": 8})          # the whole sequence
+    model, _ = build_model("smollm2", deferred=True)                # on the meta device, for a sharded strategy
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from lit_packing.errors import ConfigError
 from lit_packing.models.attention import attn_implementation
 from lit_packing.models.backends import AttnBackend
 from lit_packing.models.head import check_head_inputs
+from lit_packing.models.materialize import skeleton
 from lit_packing.models.mixers import MixerChoice
 from lit_packing.models.pack import Packing, check_backend_here, pack_model
 from lit_packing.models.selftest import PADDED_FIX
@@ -74,17 +76,7 @@ def load_causal_lm(
     # that name fails here, in one line, rather than keeping its own attention unseen.
     implementation = attn_implementation("per_example")
     if model_config is not None:
-        cfg = dict(model_config)
-        if vocab_size is not None:
-            if cfg.get("vocab_size") not in (None, vocab_size):
-                log.warning(
-                    "model.model_config.vocab_size=%s is replaced by the tokenizer's size %d (model.vocab_size, "
-                    "linked from data.vocab_size): the embeddings must hold every token id",
-                    cfg["vocab_size"],
-                    vocab_size,
-                )
-            cfg["vocab_size"] = int(vocab_size)
-        config = AutoConfig.for_model(**cfg)
+        config = AutoConfig.for_model(**_with_vocabulary(model_config, vocab_size))
         with _own_attention_table(config.model_type, implementation):
             lm = AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=torch_dtype(dtype))
     else:
@@ -112,22 +104,74 @@ def build_model(
     gradient_checkpointing: bool = False,
     lora: dict | None = None,
     check_head: bool = True,
+    deferred: bool = False,
 ) -> LoadedModel:
     """The whole build of the model a `PackedCausalLM` trains: `load_causal_lm` (load, then `pack_model`), then
     gradient checkpointing, LoRA adapters (`lora`: `peft.LoraConfig` kwargs) and, for a loss on the final hidden
     states (`check_head`), the check that the LM head reproduces the model's logits. The returned model is the
-    trained module (a peft model with `lora`)."""
+    trained module (a peft model with `lora`).
+
+    `deferred`: the model's skeleton only (`materialize.skeleton`: parameters on the meta device), with its
+    gradient checkpointing and adapters and without a `Packing` (None): `finish_build` packs it once
+    `materialize.materialize` has filled its (sharded) parameters."""
     check_backend_here(backend, device or "cpu")  # a backend this machine cannot run fails before the model loads
-    lm, packing = load_causal_lm(
-        name_or_path, model_config, vocab_size, dtype, resize_embeddings, backend, device, mixers, check
-    )
+    if deferred:
+        lm, packing = model_skeleton(name_or_path, model_config, vocab_size, dtype, resize_embeddings), None
+    else:
+        lm, packing = load_causal_lm(
+            name_or_path, model_config, vocab_size, dtype, resize_embeddings, backend, device, mixers, check
+        )
     if gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = apply_lora(lm, lora) if lora else lm
+    if deferred:
+        return LoadedModel(model, packing)
     packing.on_host(lm)  # until the trainer places it: its construction-time forwards run on the host
     if check_head:
         check_head_inputs(model)
     return LoadedModel(model, packing)
+
+
+def finish_build(
+    model: torch.nn.Module, backend: AttnBackend, device: torch.device, mixers: MixerChoice, check: bool,
+    check_head: bool,
+) -> Packing:  # fmt: skip
+    """What `build_model` does after loading, for a deferred model now holding its values (sharded or not):
+    `pack_model` where it trains, then the LM-head check. A collective on a sharded model: every rank calls it."""
+    packing = pack_model(model, backend, device, mixers, check)
+    if check_head:
+        check_head_inputs(model)
+    return packing
+
+
+def model_skeleton(
+    name_or_path: str, model_config: dict | None, vocab_size: int | None, dtype: str | None, resize: bool
+) -> PreTrainedModel:
+    """The causal LM `load_causal_lm` would build, its parameters on the meta device (`materialize.skeleton`):
+    from `model_config`, else from the pretrained folder's config (its weights read later, slice by slice)."""
+    implementation = attn_implementation("per_example")
+    if model_config is not None:
+        config = AutoConfig.for_model(**_with_vocabulary(model_config, vocab_size))
+        name = config.model_type
+    else:
+        config, name = AutoConfig.from_pretrained(resolve_pretrained(name_or_path)), name_or_path
+    with _own_attention_table(name, implementation):
+        lm = skeleton(
+            lambda: AutoModelForCausalLM.from_config(
+                config, attn_implementation=implementation, dtype=torch_dtype(dtype) or torch.float32
+            )
+        )
+    rows = lm.get_input_embeddings().weight.shape[0]
+    if model_config is None and vocab_size is not None and vocab_size > rows:
+        if not resize:
+            _fit_vocabulary(lm, vocab_size, resize, name_or_path)  # the refusal naming the fix
+        raise ConfigError(
+            "model.resize_embeddings",
+            f"growing {name_or_path}'s {rows:,} embedding rows to the tokenizer's {vocab_size:,} is not done on the "
+            "meta-device build of a sharded strategy",
+            "use the model's own tokenizer, or resize it once with trainer.strategy=ddp and export it",
+        )
+    return lm
 
 
 @contextlib.contextmanager
@@ -145,6 +189,21 @@ def _own_attention_table(name: str, attn_implementation: str):
             "AttentionInterface, so packed examples cannot be kept apart",
             f"choose a model that does (the families table in docs/model.md), {PADDED_FIX}",
         ) from None
+
+
+def _with_vocabulary(model_config: dict, vocab_size: int | None) -> dict:
+    """`model_config` with the tokenizer's size as its vocabulary (a different value given is replaced, saying so)."""
+    cfg = dict(model_config)
+    if vocab_size is not None:
+        if cfg.get("vocab_size") not in (None, vocab_size):
+            log.warning(
+                "model.model_config.vocab_size=%s is replaced by the tokenizer's size %d (model.vocab_size, "
+                "linked from data.vocab_size): the embeddings must hold every token id",
+                cfg["vocab_size"],
+                vocab_size,
+            )
+        cfg["vocab_size"] = int(vocab_size)
+    return cfg
 
 
 def _fit_vocabulary(lm: PreTrainedModel, vocab_size: int | None, resize: bool, name: str) -> None:

@@ -264,20 +264,6 @@ def gathered_numel(param: torch.Tensor) -> int:
     return param.numel() // math.prod(split)
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole weights of a sharded model, on the host of global rank 0 (empty on the other ranks): a collective
-    every rank must call, in the same order. A parameter the model shares (a head tied to the embeddings) appears
-    once, under its first name, as `save_pretrained` writes it: gathered, the two names hold two copies."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    first: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if first.setdefault(id(param), name) != name:
-            state.pop(name, None)
-    return state
-
-
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a sharded (DTensor) parameter or gradient; a plain tensor as it is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,306 @@
+"""Sharded from the first byte: a model built on the meta device, split there, and only each rank's shards ever
+allocated and filled, from the checkpoint's files slice by slice or from a random init computed one module at a
+time.
+
+    with deferred_weights():                       # the CLI does this under a sharded strategy
+        lm = PackedCausalLM(name_or_path="smollm2")  # parameters on the meta device, buffers real
+    ...                                            # configure_model: tensor parallel, fully_shard, then
+    materialize(lm.model, device, Weights("smollm2", folder, seed=42))   # each rank's shards, filled
+
+What each step keeps exact:
+- the skeleton (`skeleton`) is transformers' own model class built from the config with its parameters on the meta
+  device (accelerate's `init_empty_weights`) and its buffers real, computed on the host as the model computes them
+  (rotary `inv_freq`, embedding scales): `to_empty` leaves garbage in them, so `materialize` copies them back. The
+  embeddings are tied again after the build (the meta patch re-registers a tied weight as a copy), so a tied head
+  stays one storage through sharding and `to_empty`;
+- pretrained weights are read by torch's distributed checkpoint with its Hugging Face reader: each rank reads only
+  the slices it holds (`safe_open(...).get_slice`), cast on copy (bf16 on disk -> the run's master dtype); every
+  parameter must be in the files and every file's tensor used (missing or unexpected keys named in one line);
+- a random init (`model.model_config`, LoRA adapters) is the model's own `_init_weights`, run module by module on
+  a whole scratch copy of each module's parameters with one generator seeded by the run's seed, each rank keeping
+  its slice (`distribute_tensor`, no communication): the same weights on any number of ranks, on any strategy, as
+  on one process (`initialize` runs on the unsharded path too). A parameter the model's init leaves untouched is
+  refused by name rather than left as uninitialised memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+from transformers import PreTrainedModel
+
+from lit_packing.errors import AssetError, ConfigError
+
+_DEFERRED = contextvars.ContextVar("lit_packing_deferred_weights", default=False)
+LORA_SETTING = "model.lora"
+
+
+@contextlib.contextmanager
+def deferred_weights() -> Iterator[None]:
+    """Models built inside (`PackedCausalLM`) get their parameters on the meta device; `materialize` fills them once
+    they are sharded. Lightning's `trainer.init_module(empty_init=True)` (a meta default device) does the same."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def deferring() -> bool:
+    """Whether a model built now is built on the meta device (inside `deferred_weights`, or under a meta default
+    device)."""
+    return _DEFERRED.get() or torch.empty(0).device.type == "meta"
+
+
+class Weights(NamedTuple):
+    """Where a materialised model's values come from.
+
+    Attributes:
+        name: the model's name as the user gave it (`model.name_or_path`), for messages.
+        folder: the pretrained model's local folder (its safetensors files), or None for a random init.
+        seed: the random init's seed (the same on every rank), for a random init and for what the files do not
+            hold (LoRA adapters).
+    """
+
+    name: str
+    folder: str | None
+    seed: int
+
+
+def skeleton(build: Callable[[], PreTrainedModel]) -> PreTrainedModel:
+    """`build()` (a transformers `from_config`) with its parameters on the meta device and its buffers on the host,
+    its tied weights tied again."""
+    from accelerate import init_empty_weights
+
+    with torch.device("cpu"), init_empty_weights(include_buffers=False):
+        lm = build()
+    lm.tie_weights()  # init_empty_weights re-registers the tied head as a copy of the embeddings: one storage again
+    return lm
+
+
+def local_folder(name_or_path: str) -> str:
+    """The local folder of a pretrained model: the path itself, else the Hub snapshot of its config and safetensors
+    files (downloaded once by huggingface_hub, which needs network)."""
+    if Path(name_or_path).is_dir():
+        return name_or_path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors"])
+
+
+def is_meta(model: torch.nn.Module) -> bool:
+    """Whether any parameter of `model` is still on the meta device (to be materialised)."""
+    return any(p.is_meta for p in model.parameters())
+
+
+def materialize(model: torch.nn.Module, device: torch.device | str, weights: Weights) -> None:
+    """Allocate `model`'s parameters (each rank's shards, when it is sharded) on `device`, in place, and fill them:
+    the buffers as the model built them, the parameters from `weights.folder`'s safetensors (each rank its slices)
+    and, for what the files do not hold (LoRA adapters) or a random init, `initialize`.
+
+    Raises:
+        AssetError: the folder holds no safetensors files, or its tensors do not match the model's parameters.
+        ConfigError: a parameter that no init fills (naming it).
+    """
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+    if weights.folder is None:
+        initialize(model, weights.seed)
+        return
+    loaded = load_slices(model, weights)
+    initialize(model, weights.seed, only=lambda name: name not in loaded)
+
+
+def checkpoint_names(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s parameters by the names a transformers checkpoint gives them (a peft model's base weights without
+    its `base_model.model.` and `.base_layer`; adapters left out), each shared parameter once."""
+    names: dict[str, torch.Tensor] = {}
+    for name, param in _base(model).named_parameters():  # remove_duplicate: a tied head under its first name only
+        if ".lora_" in name or name.startswith("lora_"):
+            continue
+        names[name.replace(".base_layer.", ".")] = param
+    return names
+
+
+def load_slices(model: torch.nn.Module, weights: Weights) -> set[str]:
+    """Fill `model`'s parameters from `weights.folder`'s safetensors files, each rank reading only its slices;
+    returns the model's names of the parameters filled."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    folder = Path(weights.folder)
+    stored = stored_shapes(folder, weights.name)
+    wanted = checkpoint_names(model)
+    check_names(stored, {name: tuple(p.shape) for name, p in wanted.items()}, weights.name, _tied_aliases(model))
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    dcp.load(dict(wanted), storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not distributed)
+    ids = {id(p) for p in wanted.values()}
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
+
+
+def stored_shapes(folder: Path, name: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape in `folder`'s safetensors files (read from their headers)."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise AssetError(
+            "model.name_or_path",
+            f"{name} ({folder}) holds no .safetensors files, which a sharded strategy reads slice by slice",
+            "convert the checkpoint to safetensors (save_pretrained writes them), or train with trainer.strategy=ddp",
+        )
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+                shapes[key] = tuple(handle.get_slice(key).get_shape())
+    return shapes
+
+
+def check_names(
+    stored: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]], name: str, aliases: set[str]
+) -> None:
+    """Refuse, in one line, a checkpoint whose tensors are not the model's parameters: a parameter it lacks, a
+    tensor the model has no place for (a tied head's second copy excepted), or a shape that differs.
+
+    >>> check_names({"w": (2, 3)}, {"w": (2, 3)}, "m", set())
+    >>> try:
+    ...     check_names({"w": (2, 3), "x": (1,)}, {"w": (2, 3)}, "m", set())
+    ... except AssetError as error:
+    ...     print(error.problem)
+    m's files do not match the model its config builds: 1 tensor the model has no parameter for (first: x)
+    """
+    missing = [key for key in wanted if key not in stored]
+    unexpected = [key for key in stored if key not in wanted and key not in aliases]
+    wrong = [(k, stored[k], wanted[k]) for k in wanted if k in stored and stored[k] != wanted[k]]
+    parts = []
+    if missing:
+        parts.append(f"{len(missing):,} parameters the files lack (first: {missing[0]})")
+    if unexpected:
+        parts.append(f"{len(unexpected):,} tensor{'s' * (len(unexpected) > 1)} the model has no parameter for "
+                     f"(first: {unexpected[0]})")  # fmt: skip
+    if wrong:
+        key, there, here = wrong[0]
+        parts.append(f"{len(wrong):,} of another shape (first: {key}: {list(there)} in the files, {list(here)} here)")
+    if parts:
+        raise AssetError(
+            "model.name_or_path",
+            f"{name}'s files do not match the model its config builds: {'; '.join(parts)}",
+            "check the folder's config.json against its weights, or load it with trainer.strategy=ddp to let "
+            "transformers convert it",
+        )
+
+
+def _tied_aliases(model: torch.nn.Module) -> set[str]:
+    """The checkpoint names of parameters that are another parameter (a tied head): a file may hold them too."""
+    named = _base(model).named_parameters(remove_duplicate=False)
+    first: dict[int, str] = {}
+    aliases = set()
+    for name, param in named:
+        if first.setdefault(id(param), name) != name:
+            aliases.add(name.replace(".base_layer.", "."))
+    return aliases
+
+
+def initialize(model: torch.nn.Module, seed: int, only: Callable[[str], bool] | None = None) -> None:
+    """A random init of `model`'s parameters (those `only` selects by name), the same on any number of ranks and
+    strategies: each module, in the order transformers initialises them, gets whole scratch copies of its own
+    parameters, initialised by the model's `_init_weights` (LoRA adapters as peft's default: A Kaiming-uniform, B
+    zeros) under one generator seeded with `seed`; each rank copies its slice of them into its shards.
+
+    Raises:
+        ConfigError: a selected parameter that the init leaves untouched (a module the model's `_init_weights` does
+            not know), on a model that was built without values (meta).
+    """
+    from transformers import initialization
+
+    done: set[int] = set()
+    with torch.no_grad(), torch.random.fork_rng(devices=[]), initialization.guard_torch_init_functions():
+        torch.manual_seed(seed)
+        for prefix, module, owner in _init_order(model):
+            params = [(n, p) for n, p in module.named_parameters(recurse=False)
+                      if id(p) not in done and (only is None or only(prefix + n))]  # fmt: skip
+            if not params:
+                continue
+            real = dict(params)
+            for name, param in params:  # whole, on the host: this module's own parameters, one module at a time
+                scratch = torch.full(param.shape, math.nan, dtype=param.dtype) if param.is_floating_point() else (
+                    torch.zeros(param.shape, dtype=param.dtype))  # fmt: skip
+                if not param.is_meta and not isinstance(param, DTensor):
+                    scratch.copy_(param.detach())  # built with values: what the init leaves untouched stays
+                module._parameters[name] = torch.nn.Parameter(scratch, requires_grad=param.requires_grad)
+            try:
+                _init_module(prefix, module, owner)
+                values = {name: module._parameters[name].detach() for name in real}
+            finally:
+                module._parameters.update(real)
+            for name, value in values.items():
+                if value.is_floating_point() and torch.isnan(value).any():
+                    raise ConfigError(
+                        "model.model_config" if only is None else LORA_SETTING,
+                        f"{prefix + name} ({type(module).__name__}) is not initialised by "
+                        f"{type(owner).__name__}._init_weights, so it has no value on the meta-device build",
+                        "load pretrained weights (model.name_or_path), or train with trainer.strategy=ddp",
+                    )
+                _copy_slice(real[name], value)
+                done.add(id(real[name]))
+
+
+def _init_order(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, PreTrainedModel]]:
+    """(qualified name prefix, module, the transformers model whose `_init_weights` it takes), children first, as
+    transformers' `initialize_weights` visits them (a sub-model dispatches its own init)."""
+    base = _base(model)
+
+    def visit(module: torch.nn.Module, prefix: str, owner: PreTrainedModel):
+        for name, child in module.named_children():
+            yield from visit(child, f"{prefix}{name}.", child if isinstance(child, PreTrainedModel) else owner)
+        yield prefix, module, owner
+
+    root = "" if base is model else _prefix_of(model, base)
+    yield from visit(base, root, base)
+
+
+def _prefix_of(model: torch.nn.Module, inner: torch.nn.Module) -> str:
+    return next(f"{name}." for name, module in model.named_modules() if module is inner)
+
+
+def _init_module(prefix: str, module: torch.nn.Module, owner: PreTrainedModel) -> None:
+    """peft's default for LoRA's A (Kaiming-uniform, a=sqrt(5)) and B (zeros) matrices; the model's own init else."""
+    if ".lora_A." in prefix:
+        torch.nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+    elif ".lora_B." in prefix:
+        torch.nn.init.zeros_(module.weight)
+    else:
+        owner._init_weights(module)
+    if ".lora_" in prefix and getattr(module, "bias", None) is not None:
+        torch.nn.init.zeros_(module.bias)
+
+
+def _copy_slice(param: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy this rank's part of `whole` (the parameter's full value) into `param` (a DTensor's local shard, or the
+    plain tensor)."""
+    if isinstance(param, DTensor):
+        local = distribute_tensor(whole.to(param.device_mesh.device_type), param.device_mesh, param.placements,
+                                  src_data_rank=None)  # fmt: skip
+        param.to_local().copy_(local.to_local())
+    else:
+        param.copy_(whole)
+
+
+def lora_init_supported(lora: dict | None) -> bool:
+    """Whether `initialize` gives LoRA's adapters the init `lora` asks for (peft's default)."""
+    return lora is None or lora.get("init_lora_weights", True) is True
+
+
+def _base(model: torch.nn.Module) -> PreTrainedModel:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
