@@ -59,6 +59,7 @@ from lit_packing.models.materialize import (
     LORA_SETTING,
     Weights,
     deferring,
+    host_memory_returned,
     initialize,
     is_meta,
     local_folder,
@@ -96,6 +97,7 @@ from lit_packing.models.sharding import (
     data_parallel_mesh,
     is_sharded,
     local_tensor,
+    reshard,
     shard_count,
     shard_model,
     sync_gradients,
@@ -366,20 +368,23 @@ class PackedCausalLM(LightningModule):
 
     def _materialize(self) -> None:
         """Fill the deferred model (and a reference copy) where it trains, then pack it (`loading.finish_build`)."""
-        hp, strategy, start = self.hparams, self.trainer.strategy, time.perf_counter()
-        device = strategy.root_device
-        folder = None if hp.model_config is not None else local_folder(resolve_pretrained(hp.name_or_path))
-        weights = Weights(hp.name_or_path, folder, strategy.broadcast(torch.initial_seed()))
-        for model in [self.model, *self._reference]:
-            materialize(model, device, weights)
-        log.info("weights %s in %.1f s: %s on this rank", f"read from {folder}" if folder else "initialised",
-                 time.perf_counter() - start, count(sum(local_tensor(p).numel() for p in self.model.parameters()),
-                 "parameter"))  # fmt: skip
-        with _named_model_settings():
-            self.packing = finish_build(self.model, hp.attn_backend, device, hp.mixers, hp.isolation_check,
-                                        check_head=hp.loss_impl != "full")  # fmt: skip
-            for reference in self._reference:
-                finish_build(reference, "per_example", device, hp.mixers, check=False, check_head=False)
+        with host_memory_returned():
+            hp, strategy, start = self.hparams, self.trainer.strategy, time.perf_counter()
+            device = strategy.root_device
+            folder = None if hp.model_config is not None else local_folder(resolve_pretrained(hp.name_or_path))
+            weights = Weights(hp.name_or_path, folder, strategy.broadcast(torch.initial_seed()))
+            for model in [self.model, *self._reference]:
+                materialize(model, device, weights)
+            log.info("weights %s in %.1f s: %s on this rank", f"read from {folder}" if folder else "initialised",
+                     time.perf_counter() - start, count(sum(local_tensor(p).numel() for p in self.model.parameters()),
+                     "parameter"))  # fmt: skip
+            with _named_model_settings():
+                self.packing = finish_build(self.model, hp.attn_backend, device, hp.mixers, hp.isolation_check,
+                                            check_head=hp.loss_impl != "full")  # fmt: skip
+                for reference in self._reference:
+                    finish_build(reference, "per_example", device, hp.mixers, check=False, check_head=False)
+            for model in [self.model, *self._reference]:
+                reshard(model)  # the probe's forwards left the root gathered
         self._place_backend(device)
         if self._precomputed:
             self._initial_weights = strategy.broadcast(weights_fingerprint(self.model))

@@ -5,14 +5,16 @@ sharded; a sharded one without any rank ever holding the whole model.
     export_sharded(lm.model, "runs/export", tokenizer)         # FSDP2: a collective, every rank calls it
 
 Sharded, the parameters are written file by file (`EXPORT_FILE_BYTES` each at most, as `save_pretrained` splits a
-large model): for each file every rank gathers its tensors one at a time (an all-gather of that tensor), rank 0
-keeps them until the file is written and the others drop each at once; so no rank holds more than its shards and
-one file. A tied head is written once, under the embeddings' name, as `save_pretrained` writes it; a LoRA model's
-adapters alone are gathered and saved by peft. Non-finite weights are refused before anything is written.
+large model), tensor by tensor: every rank gathers one tensor (an all-gather), rank 0 streams its bytes into the
+file (`SafetensorsStream`: the header first, from the shapes), and every rank drops it; so no rank holds more than
+its shards and one whole tensor. A tied head is written once, under the embeddings' name, as `save_pretrained`
+writes it; a LoRA model's adapters alone are gathered and saved by peft. Non-finite weights are refused before
+anything is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Iterator
@@ -28,6 +30,9 @@ log = logging.getLogger(__name__)
 
 EXPORT_FILE_BYTES = 2**30  # one safetensors file's tensors at most (a larger single tensor is a file of its own)
 INDEX = "model.safetensors.index.json"
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                      torch.bool: "BOOL"}  # fmt: skip
 
 
 def export_model(model: torch.nn.Module, path: str, tokenizer=None, state_dict=None) -> None:
@@ -56,28 +61,23 @@ def export_sharded(model: torch.nn.Module, path: str, tokenizer=None, file_bytes
             model.save_pretrained(path, state_dict={name: t.cpu() for name, t in adapters.items()})
             _finish(path, tokenizer)
         return
-    from safetensors.torch import save_file
-
     files = file_plan(model, file_bytes)
     folder = Path(path)
     if rank0:
         folder.mkdir(parents=True, exist_ok=True)
         for stale in folder.glob("model*.safetensors"):  # a previous export's files would mix into this one
             stale.unlink()
-    weight_map, total = {}, 0
+    params, weight_map, total = dict(model.named_parameters()), {}, 0
     for index, names in enumerate(files, start=1):
         name = "model.safetensors" if len(files) == 1 else f"model-{index:05d}-of-{len(files):05d}.safetensors"
-        tensors = {}
-        for key, param in _named(model, names):
-            whole = _whole(param)
-            if rank0:
-                tensors[key] = whole.detach().to("cpu").contiguous()
-                total += whole.numel() * whole.element_size()
-            del whole
-        if rank0:
-            save_file(tensors, str(folder / name), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(tensors, name))
-        del tensors
+        with SafetensorsStream(folder / name, {key: params[key] for key in names}) if rank0 else _nothing() as out:
+            for key in names:
+                whole = _whole(params[key])  # every rank takes part in the gather; rank 0 writes it, then drops it
+                if out is not None:
+                    out.write(key, whole)
+                del whole
+        weight_map.update(dict.fromkeys(names, name))
+        total += sum(params[key].numel() * params[key].element_size() for key in names)
     if rank0:
         if len(files) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -88,12 +88,56 @@ def export_sharded(model: torch.nn.Module, path: str, tokenizer=None, file_bytes
         _finish(path, tokenizer)
 
 
+class SafetensorsStream:
+    """One safetensors file written tensor by tensor: its header (every tensor's name, dtype, shape and offsets)
+    first, from the tensors' shapes alone, then each tensor's bytes as it comes, so that the writer holds one tensor
+    at a time (safetensors' own `save_file` takes them all at once and copies each to bytes). The file is read by
+    safetensors (and so `from_pretrained`) as any other; written under a hidden name, renamed when complete."""
+
+    def __init__(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        self.path, self.partial = path, path.with_name(f".{path.name}.partial")
+        self.order, self.shapes, offset, header = list(tensors), {}, 0, {"__metadata__": {"format": "pt"}}
+        for key, tensor in tensors.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            header[key] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                           "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+            self.shapes[key] = (tuple(tensor.shape), tensor.dtype)
+            offset += nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        self.header = encoded + b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+        self.written = 0
+
+    def __enter__(self) -> SafetensorsStream:
+        self.file = open(self.partial, "wb")  # noqa: SIM115 (closed in __exit__)
+        self.file.write(len(self.header).to_bytes(8, "little") + self.header)
+        return self
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        if key != self.order[self.written] or (tuple(tensor.shape), tensor.dtype) != self.shapes[key]:
+            raise ValueError(f"{key}: expected {self.order[self.written]} of {self.shapes[self.order[self.written]]}")
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self.file.write(memoryview(data.numpy()))
+        self.written += 1
+
+    def __exit__(self, kind, value, traceback) -> None:
+        self.file.close()
+        if kind is None and self.written == len(self.order):
+            self.partial.replace(self.path)
+        else:
+            self.partial.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield None
+
+
 def file_plan(model: torch.nn.Module, file_bytes: int) -> list[list[str]]:
     """The parameters' names (each shared parameter once, under its first name) in files of at most `file_bytes`
     each, in the model's order; a tensor larger than that is a file of its own.
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 2))   # 64, 32 + 8 bytes
-    >>> file_plan(model, 100)
+    >>> file_plan(model, 80)
     [['0.weight'], ['1.weight', '1.bias']]
     """
     files: list[list[str]] = [[]]

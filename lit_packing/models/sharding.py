@@ -199,6 +199,15 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Free every gathered parameter of a sharded model (a no-op otherwise). A forward without a backward (the
+    construction probe, the head check, the reference pass) leaves the root gathered, as it is kept gathered from
+    its forward to its backward: the embeddings and head whole on every rank until the next backward."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def sync_gradients(model: torch.nn.Module, last: bool) -> None:
     """Before a micro-batch's backward: reduce-scatter its gradients only when it is the optimizer step's last
     (`last`); the others accumulate unsharded gradients locally, as DDP's `no_sync` does. Lightning's loop does not
