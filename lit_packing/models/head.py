@@ -11,11 +11,11 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from lit_packing.batch import INPUT_IDS, model_inputs
 from lit_packing.errors import ConfigError
 from lit_packing.models.loss import HeadInputs
+from lit_packing.models.sharding import is_sharded
 
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:
@@ -31,7 +31,7 @@ def head_inputs(
     """The final hidden states of a batch with the LM head, for a loss that never builds the (T, V) logits.
     `model` is the trained module (a peft model runs its adapters); its transformers model supplies the head."""
     hf = _base(model)
-    if isinstance(model, FSDPModule):
+    if is_sharded(model):
         hidden = _sharded_hidden_states(model, hf, batch)
     else:
         hidden = hf.base_model(**model_inputs(batch), use_cache=False).last_hidden_state  # (B, T, H)

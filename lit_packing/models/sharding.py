@@ -80,7 +80,7 @@ def shard_plan(model: torch.nn.Module) -> ShardPlan:
     Raises:
         ConfigError: the model names no such class, or none of its modules is one (naming the model).
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _base(model)
     names = set(getattr(base, "_no_split_modules", None) or ())
     # By class name along the MRO: a sharded layer's class is FSDP2's subclass of it (`FSDPLlamaDecoderLayer`).
     layers = [name for name, module in base.named_modules() if names & {c.__name__ for c in type(module).__mro__}]
@@ -105,7 +105,7 @@ def tensor_parallel_plan(model: torch.nn.Module, size: int) -> dict[str, Paralle
             has no plan, the plan holds a style not in `TP_STYLES`, the attention or key/value heads do not divide
             by `size`, or the model carries LoRA adapters (their layers are not the plain linears a style splits).
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _base(model)
     config = base.config.get_text_config()
     family = config.model_type
 
@@ -161,14 +161,16 @@ def shard_model(
         tensor_parallel(model, mesh[TENSOR_PARALLEL])
     dp_mesh = data_parallel_mesh(mesh)
     policy = mixed_precision_policy(precision)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _base(model)
     for name in plan.layers:
         fully_shard(
             base.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy
         )
     # The root is left to FSDP2's own rule (None: kept gathered from its forward to its backward), so that the LM
-    # head the chunked loss runs after the forward (`head.head_inputs`) holds its whole weight.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=None, mp_policy=policy)
+    # head the chunked loss runs after the forward (`head.head_inputs`) holds its whole weight. It is the
+    # transformers model, inside a peft model's wrappers, so that a forward of the transformers model alone (the
+    # construction probe, `head.head_inputs`) gathers it too.
+    fully_shard(base, mesh=dp_mesh, reshard_after_forward=None, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -196,7 +198,8 @@ def shard_count(mesh: DeviceMesh | None) -> int:
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    """Whether `shard_model` sharded `model` (its transformers model is FSDP2's root)."""
+    return isinstance(_base(model), FSDPModule)
 
 
 def reshard(model: torch.nn.Module) -> None:
@@ -212,9 +215,10 @@ def sync_gradients(model: torch.nn.Module, last: bool) -> None:
     """Before a micro-batch's backward: reduce-scatter its gradients only when it is the optimizer step's last
     (`last`); the others accumulate unsharded gradients locally, as DDP's `no_sync` does. Lightning's loop does not
     do this for FSDP2 itself. A no-op for a model `shard_model` did not wrap."""
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(last)
-        model.set_is_last_backward(last)
+    root = _base(model)
+    if isinstance(root, FSDPModule):
+        root.set_requires_gradient_sync(last)
+        root.set_is_last_backward(last)
 
 
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -251,7 +255,7 @@ def gathered_parameter_bytes(model: torch.nn.Module, mixed: bool) -> int:
     288
     """
     plan = shard_plan(model)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _base(model)
 
     def size(params) -> int:
         return sum(gathered_numel(p) * (2 if mixed and p.is_floating_point() else p.element_size()) for p in params)
@@ -276,3 +280,7 @@ def gathered_numel(param: torch.Tensor) -> int:
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a sharded (DTensor) parameter or gradient; a plain tensor as it is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -4,8 +4,8 @@ for the slow tests of the meta-device build (tests/models/test_materialize.py).
     python tests/helpers/sharded_load.py '{"folder": "/tmp/m", "devices": 2, "out": "/tmp/load", "export": "/tmp/e"}'
 
 Each rank writes `<out>.rank<r>.json`: its peak RssAnon above the interpreter's own (sampled every 2 ms) from the
-model's construction to the end of setup (`fit` with `max_steps=0`: build, shard, fill, pack) and what it holds
-then, and its peak during the export when asked; whether every local shard equals the checkpoint's slice bit for
+model's construction to the end of its filling (build, shard, fill) and to the end of setup (`fit` with
+`max_steps=0`: then the packing probe's forward, which gathers the root as every step does) and what it holds then, and its peak during the export when asked; whether every local shard equals the checkpoint's slice bit for
 bit (cast to fp32), whether the buffers equal those the model's own rotary module computes, and whether a tied head
 is one storage. `"whole": true` builds the model whole on every rank first (no `deferred_weights`), for comparison;
 `"model_config"` in place of `"folder"`: a random init; `"lora"`: adapters; `"weights": true`: rank 0 also saves
@@ -26,6 +26,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lit_packing.models import PackedCausalLM
+from lit_packing.models import causal_lm as causal_lm_module
 from lit_packing.models.export import export_sharded
 from lit_packing.models.materialize import checkpoint_names, deferred_weights
 from lit_packing.strategies import ShardedStrategy
@@ -95,6 +96,14 @@ def buffers_equal(lm: PackedCausalLM) -> bool:
 def main(settings: dict) -> None:
     sampler = PeakSampler()
     base = sampler.reset()
+    loaded: list[int] = []  # the peak once the model is filled, before it is packed (the probe's forward)
+    finish_build = causal_lm_module.finish_build
+
+    def packed_after_filling(*args, **kwargs):
+        loaded.append(sampler.peak - base)
+        return finish_build(*args, **kwargs)
+
+    causal_lm_module.finish_build = packed_after_filling
     folder = Path(settings["folder"]) if settings.get("folder") else None
     torch.manual_seed(SEED)
     source = {"name_or_path": str(folder)} if folder else {"model_config": settings["model_config"]}
@@ -108,6 +117,7 @@ def main(settings: dict) -> None:
     trainer.fit(lm, train_dataloaders=[{}])
     setup_peak = sampler.peak - base
     out = {
+        "load_peak": loaded[0] if loaded else setup_peak,  # built whole: the build itself
         "setup_peak": setup_peak,
         "held": rss_anon() - base,
         "slices_equal": slices_equal(lm, folder) if folder else None,

@@ -229,17 +229,21 @@ def test_every_rank_holds_its_slices_of_the_checkpoint_bit_for_bit(loads):
 
 @pytest.mark.slow
 def test_loading_on_n_ranks_costs_each_rank_its_shard(loads):
-    """What each rank holds once set up is its shard plus the fit's own (measured: 1.12, 0.60 and 0.35 x the model
-    on 1, 2 and 4 ranks); built whole first, every rank's peak passes the whole model. A build of the whole model
-    on every rank fails the first bound at 2 and 4 ranks."""
+    """Built, sharded and filled, each rank's peak is its shard plus what the reads pass through (measured: 1.01,
+    0.51 and 0.26 x the model on 1, 2 and 4 ranks; built whole first, 1.04 on each of 2), and it holds its shard
+    once set up (the same). A build of the whole model on every rank fails the first bound at 2 and 4 ranks. The
+    setup's peak after that is the packing probe's forward, which gathers the root (embeddings and head: a fifth of
+    this model, gathered through a buffer of the same size) as every training step does."""
     model = loads["model_bytes"]
     for n in (1, 2, 4):
+        loaded = max(r["load_peak"] for r in loads[f"big{n}"])
         held = max(r["held"] for r in loads[f"big{n}"])
-        assert held < model / n + 0.2 * model, (n, held / model)
-    peaks = {n: max(r["setup_peak"] for r in loads[f"big{n}"]) / model for n in (1, 2, 4)}
-    whole = max(r["setup_peak"] for r in loads["big2_whole"]) / model
-    assert whole > 1.0 and peaks[2] < whole - 0.25, (peaks, whole)
-    assert peaks[4] < peaks[2] - 0.1 < peaks[1] - 0.2, peaks  # the peak falls with the ranks
+        assert loaded < model / n + 0.1 * model, (n, loaded / model)
+        assert held < model / n + 0.1 * model, (n, held / model)
+    whole = min(r["load_peak"] for r in loads["big2_whole"])
+    assert whole > model, whole / model
+    setup = {n: max(r["setup_peak"] for r in loads[f"big{n}"]) / model for n in (1, 2, 4)}
+    assert setup[4] < setup[2] < setup[1], setup
 
 
 @pytest.mark.slow
