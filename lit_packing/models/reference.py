@@ -29,6 +29,7 @@ import torch
 
 from lit_packing.errors import DataError
 from lit_packing.models.preference import PairLogps
+from lit_packing.models.sharding import local_tensor
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,11 @@ FIX = "set model.reference=copy (a frozen copy of the initial model) or delete t
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
-    """A hash of every weight's name, dtype, shape and bytes (~1 s for 135M fp32 parameters on a CPU)."""
+    """A hash of every weight's name, dtype, shape and bytes (~1 s for 135M fp32 parameters on a CPU); of a sharded
+    model, this rank's shards."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
-        tensor = tensor.detach()
+        tensor = local_tensor(tensor.detach())
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         digest.update(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()[:24]

@@ -12,6 +12,7 @@ reduce-scatter calls per step, and the final full weights.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -26,6 +27,7 @@ from lit_packing._compat import accumulates
 from lit_packing.batch import attach_step
 from lit_packing.data.collate import PackedCollator
 from lit_packing.models import PackedCausalLM
+from lit_packing.models.materialize import deferred_weights
 from tests.helpers import TINY_LLAMA, make_examples
 
 STEPS = 3
@@ -102,10 +104,14 @@ def main(settings: dict) -> None:
     else:
         strategy = kind
     torch.manual_seed(0)
-    lm = PackedCausalLM(
-        model_config=TINY_LLAMA, lora=settings.get("lora"),
-        gradient_checkpointing=settings.get("gradient_checkpointing", False), **RUN,
-    )  # fmt: skip
+    # FSDP2 builds on the meta device, each rank filling its shards; `"whole": true` builds the model whole on every
+    # rank first and shards it (a plain PackedCausalLM under ModelParallelStrategy).
+    deferred = kind == "fsdp2" and not settings.get("whole")
+    with deferred_weights() if deferred else contextlib.nullcontext():
+        lm = PackedCausalLM(
+            model_config=TINY_LLAMA, lora=settings.get("lora"),
+            gradient_checkpointing=settings.get("gradient_checkpointing", False), **RUN,
+        )  # fmt: skip
     recorder = Recorder()
     trainer = Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS,

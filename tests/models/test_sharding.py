@@ -257,14 +257,16 @@ def env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory) -> dict[str, dict]:
     """The same 3 optimizer steps, run at once: 1 process, 2-rank DDP, 2-rank FSDP2, 2 x 2 (data x tensor
-    parallel) on 4 ranks; LoRA with activation checkpointing on 1 process and FSDP2. Each run's {"losses",
-    "grad_norms", "reduce_scatters", "weights"}."""
+    parallel) on 4 ranks; LoRA with activation checkpointing on 1 process and FSDP2. FSDP2 builds on the meta
+    device and fills each rank's shards (the random init and the adapters' as one process makes them); 2 x 2
+    builds the model whole on every rank and shards it. Each run's {"losses", "grad_norms", "reduce_scatters",
+    "weights"}."""
     tmp = tmp_path_factory.mktemp("sharded")
     settings = {
         "one": {"devices": 1},
         "ddp": {"devices": 2, "strategy": "ddp"},
         "fsdp2": {"devices": 2, "strategy": "fsdp2"},
-        "tp": {"devices": 4, "strategy": "fsdp2", "tensor_parallel": 2},
+        "tp": {"devices": 4, "strategy": "fsdp2", "tensor_parallel": 2, "whole": True},
         "one_lora": {"devices": 1, "lora": LORA},
         "fsdp2_lora": {"devices": 2, "strategy": "fsdp2", "lora": LORA, "gradient_checkpointing": True},
     }
