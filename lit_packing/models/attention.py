@@ -40,12 +40,12 @@ from lit_packing.batch import (
 from lit_packing.errors import ConfigError, IsolationError
 from lit_packing.models.kernels import (
     HALF_ONLY,
-    _attend,
-    _flash_attn_varlen,
-    _per_example,
-    _sdpa_block_mask,
-    _torch_varlen,
+    attend,
+    flash_attn_varlen,
     load_kernel,
+    per_example_varlen,
+    sdpa_block_mask,
+    torch_varlen,
 )
 from lit_packing.models.segments import boundaries_from_positions
 
@@ -75,10 +75,10 @@ def attn_implementation(backend: str) -> str:
 def register_backends() -> None:
     """Register every backend with transformers' attention and mask interfaces (idempotent)."""
     kernels = {
-        "flash_attn": _flash_attn_varlen,
-        "torch_varlen": _torch_varlen,
-        "per_example": _per_example,
-        "sdpa_mask": _sdpa_block_mask,
+        "flash_attn": flash_attn_varlen,
+        "torch_varlen": torch_varlen,
+        "per_example": per_example_varlen,
+        "sdpa_mask": sdpa_block_mask,
     }
     for backend, name in HF_NAMES.items():
         AttentionInterface.register(name, _attention_forward(kernels[backend]))
@@ -102,7 +102,7 @@ def register_probe(seen: set[str], modules: list[torch.nn.Module]) -> str:
     """Register the per_example backend under `PROBE_NAME`, adding to `seen` every keyword it is handed with a
     value (and `PROBE_NAME` itself once it is called) and to `modules` every attention module that calls it;
     return the name."""
-    forward = _attention_forward(_per_example, check_door=False)
+    forward = _attention_forward(per_example_varlen, check_door=False)
 
     def probe(module, *args, **kwargs):
         modules.append(module)
@@ -159,7 +159,7 @@ def _attention_forward(kernel: VarlenFn, check_door: bool = True) -> Callable:
                 return sdpa_attention_forward(
                     module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal
                 )
-            out = _attend(
+            out = attend(
                 query, key, value, causal=False, scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
                 window=None, softcap=softcap, dropout=dropout, mask=attention_mask.bool(), sink=sink,
                 bias=position_bias,

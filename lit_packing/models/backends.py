@@ -234,3 +234,12 @@ def precision_note(backend: str, dtype: torch.dtype) -> str | None:
         f"(and back). Train with trainer.precision=bf16-mixed, or use attn_backend=per_example / sdpa_mask for {name} "
         "attention"
     )
+
+
+def activation_dtype(model: torch.nn.Module, precision: str) -> torch.dtype:
+    """The dtype attention sees: the autocast dtype of a mixed precision, else the parameters'."""
+    if precision.startswith("bf16-mixed"):
+        return torch.bfloat16
+    if precision.startswith("16-mixed"):
+        return torch.float16
+    return next(model.parameters()).dtype

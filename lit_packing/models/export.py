@@ -132,6 +132,19 @@ def _nothing() -> Iterator[None]:
     yield None
 
 
+def pretrained_tokenizer(name_or_path: str):
+    """The tokenizer of a pretrained model, to save beside its export; None when there is none to load (a nicety:
+    the weights are what matters)."""
+    from transformers import AutoTokenizer
+
+    from lit_packing.assets import resolve_pretrained
+
+    try:
+        return AutoTokenizer.from_pretrained(resolve_pretrained(name_or_path, with_model=False))
+    except Exception:  # noqa: BLE001 (any failure to load one means: export without it)
+        return None
+
+
 def file_plan(model: torch.nn.Module, file_bytes: int) -> list[list[str]]:
     """The parameters' names (each shared parameter once, under its first name) in files of at most `file_bytes`
     each, in the model's order; a tensor larger than that is a file of its own.

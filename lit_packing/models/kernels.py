@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_packing.errors import ConfigError
-from lit_packing.models.segments import _memo, length_groups
+from lit_packing.models.segments import length_groups, memo
 
 # The kernels that compute in fp16 / bf16 only (FlashAttention); the per-example backends take any dtype.
 HALF_ONLY = ("flash_attn", "torch_varlen")
@@ -99,7 +99,7 @@ def load_kernel(backend: str) -> tuple[Callable, frozenset]:
     return _LOADED[backend]
 
 
-def _flash_attn_varlen(
+def flash_attn_varlen(
     q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout, sink=None, bias=None
 ):
     _refuse_extras("flash_attn", sink, bias)
@@ -119,7 +119,7 @@ def _flash_attn_varlen(
     return out if back is None else out.to(back)
 
 
-def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout, sink=None, bias=None):
+def torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout, sink=None, bias=None):
     _refuse_extras("torch_varlen", sink, bias)
     varlen_attn, params = _LOADED.get("torch_varlen") or load_kernel("torch_varlen")
     if dropout > 0:
@@ -187,7 +187,7 @@ def _visible(lq: int, lk: int, causal: bool, window: int | None, device) -> torc
     return mask
 
 
-def _attend(q, k, v, *, causal, scale, window, softcap, dropout, mask=None, sink=None, bias=None) -> torch.Tensor:
+def attend(q, k, v, *, causal, scale, window, softcap, dropout, mask=None, sink=None, bias=None) -> torch.Tensor:
     """Attention over (m, H, L, D) batches of equal-length sequences, k/v (m, Hkv, L, D); GQA handled.
 
     `mask` (L, L) or (m, 1, L, L), True = attend, replaces the causal / window pattern when given. `bias`
@@ -225,7 +225,9 @@ def _attend(q, k, v, *, causal, scale, window, softcap, dropout, mask=None, sink
     return torch.matmul(probs, v)
 
 
-def _per_example(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout, sink=None, bias=None):
+def per_example_varlen(
+    q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout, sink=None, bias=None
+):
     """Exact per-example attention on any device: one SDPA call per distinct example length, cost sum(L^2)."""
     if not _same_boundaries(cu_q, cu_k):
         return _per_segment_keys(q, k, v, cu_q, cu_k, causal=causal, scale=scale, window=window, softcap=softcap,
@@ -245,7 +247,7 @@ def _per_example(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, so
             opts["sink"] = sink.index_select(0, rows).view(len(starts), length, -1).transpose(1, 2)
         if bias is not None:  # (B, H, T, T) -> the (m, H, L, L) blocks of the examples
             opts["bias"] = _bias_blocks(bias, rows.view(len(starts), length))
-        outs.append(_attend(qg, kg, vg, **opts).transpose(1, 2).reshape(-1, *q.shape[1:]))
+        outs.append(attend(qg, kg, vg, **opts).transpose(1, 2).reshape(-1, *q.shape[1:]))
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out if inverse is None else out.index_select(0, inverse)
 
@@ -254,8 +256,8 @@ _KEY_PLAN_CACHE: dict = {}
 
 
 def _per_segment_keys(q, k, v, cu_q, cu_k, *, causal, scale, window, softcap, dropout, sink):
-    """`_per_example` with gathered keys (shared prompts): segment i's queries attend segment i of `cu_k`, one SDPA
-    call per distinct (queries, keys) shape, cost sum(Lq * Lk)."""
+    """`per_example_varlen` with gathered keys (shared prompts): segment i's queries attend segment i of `cu_k`, one
+    SDPA call per distinct (queries, keys) shape, cost sum(Lq * Lk)."""
 
     def build():
         groups: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
@@ -271,14 +273,14 @@ def _per_segment_keys(q, k, v, cu_q, cu_k, *, causal, scale, window, softcap, dr
             plan.append((len(q_starts), lq, lk, q_index.to(cu_q.device), k_index.to(cu_q.device)))
         return plan, torch.argsort(torch.cat(order)).to(cu_q.device)
 
-    plan, inverse = _memo(_KEY_PLAN_CACHE, cu_k, "plan", build)
+    plan, inverse = memo(_KEY_PLAN_CACHE, cu_k, "plan", build)
     outs = []
     for m, lq, lk, q_index, k_index in plan:
         qg = q.index_select(0, q_index).view(m, lq, *q.shape[1:]).transpose(1, 2)  # (m, H, Lq, D)
         kg, vg = (x.index_select(0, k_index).view(m, lk, *x.shape[1:]).transpose(1, 2) for x in (k, v))
         opts = {"sink": sink.index_select(0, q_index).view(m, lq, -1).transpose(1, 2)} if sink is not None else {}
         mask = _visible(lq, lk, causal, window, q.device)
-        out = _attend(qg, kg, vg, causal=causal and mask is None, scale=scale, window=None, softcap=softcap,
+        out = attend(qg, kg, vg, causal=causal and mask is None, scale=scale, window=None, softcap=softcap,
                       dropout=dropout, mask=mask, **opts)  # fmt: skip
         outs.append(out.transpose(1, 2).reshape(-1, *q.shape[1:]))
     return torch.cat(outs).index_select(0, inverse)
@@ -295,7 +297,7 @@ def _bias_blocks(bias: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 _MASK_CACHE: dict = {}
 
 
-def _sdpa_block_mask(
+def sdpa_block_mask(
     q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale, window, softcap, dropout, sink=None, bias=None
 ):
     """The reference: one SDPA call over all T tokens with a dense (T, T) block-diagonal mask. Cost T^2. With
@@ -318,14 +320,14 @@ def _sdpa_block_mask(
             mask &= dist.abs() < window
         return mask  # (T, Tk) bool
 
-    mask = _memo(_MASK_CACHE, cu_q, (causal, window), build)
+    mask = memo(_MASK_CACHE, cu_q, (causal, window), build)
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, H, T, D)
     extras = {}
     if sink is not None:
         extras["sink"] = sink.transpose(0, 1).unsqueeze(0)  # (1, H, T)
     if bias is not None:  # self-attention only (attention.py refuses a bias with gathered keys)
         extras["bias"] = _bias_blocks(bias, torch.arange(total, device=q.device)[None])
-    out = _attend(
+    out = attend(
         qh, kh, vh, causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout, mask=mask, **extras
     )
     return out[0].transpose(0, 1)

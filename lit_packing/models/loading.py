@@ -9,21 +9,41 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
-from typing import Literal, NamedTuple
+import time
+from collections.abc import Mapping
+from typing import Any, Literal, NamedTuple
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from lit_packing.assets import resolve_pretrained
-from lit_packing.errors import ConfigError
+from lit_packing.errors import ConfigError, check_range
 from lit_packing.models.attention import attn_implementation
 from lit_packing.models.backends import AttnBackend
 from lit_packing.models.head import check_head_inputs
-from lit_packing.models.materialize import skeleton
+from lit_packing.models.materialize import (
+    Weights,
+    host_memory_returned,
+    initialize,
+    local_folder,
+    lora_init_supported,
+    materialize,
+    skeleton,
+)
 from lit_packing.models.mixers import MixerChoice
 from lit_packing.models.pack import Packing, check_backend_here, pack_model
 from lit_packing.models.selftest import PADDED_FIX
+from lit_packing.models.sharding import (
+    data_parallel_mesh,
+    local_tensor,
+    reshard,
+    shard_model,
+    tensor_parallel_plan,
+    tensor_parallel_size,
+)
+from lit_packing.text import count
 
 log = logging.getLogger(__name__)
 
@@ -226,3 +246,114 @@ def apply_lora(lm: PreTrainedModel, lora: dict) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
     return get_peft_model(lm, LoraConfig(task_type="CAUSAL_LM", **lora))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The sequence a PackedCausalLM runs: built (whole, or a skeleton), then under a sharded strategy split and filled
+
+# Core parameters that are `model.<name>` settings (a core `ConfigError` naming one is re-raised with that path).
+MODEL_SETTINGS = ("attn_backend", "varlen_impl", "mixers", "loss_impl", "loss_normalization", "loss_chunk_size",
+                  "objective", "beta", "simpo_gamma_beta_ratio", "reference")  # fmt: skip
+
+
+@contextlib.contextmanager
+def named_model_settings():
+    """A core `ConfigError` (e.g. a backend that cannot run this model) named by its `model.*` path."""
+    try:
+        yield
+    except ConfigError as error:
+        raise error.under({name: f"model.{name}" for name in MODEL_SETTINGS}) from None
+
+
+class Built(NamedTuple):
+    """A `PackedCausalLM`'s models as `build_models` made them (a deferred model's `packing` is None)."""
+
+    model: torch.nn.Module
+    packing: Packing | None
+    references: list[torch.nn.Module]  # reference=copy: the initial model, frozen
+
+
+def build_models(hp, deferred: bool, copy_reference: bool) -> Built:
+    """The trained model from a `PackedCausalLM`'s settings `hp` (`build_model`) and, with `copy_reference`, a
+    frozen copy of it. Built whole, a random init (`model_config`, LoRA adapters) is redone by
+    `materialize.initialize`, which the meta-device build (`deferred`) runs once filled: the same weights either
+    way, on any number of ranks."""
+    # Built on the host and checked for the device this machine trains on (a GPU backend on a machine without one
+    # fails here); `PackedCausalLM.setup` resolves once more for the trainer's device (`Packing.to_device`).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lora = hp["lora"]
+    if deferred and not lora_init_supported(lora):
+        raise ConfigError("model.lora", f"init_lora_weights={lora['init_lora_weights']!r} is not made on the "
+                          "meta-device build of a sharded strategy (only peft's default)",
+                          "leave init_lora_weights unset, or train with trainer.strategy=ddp")  # fmt: skip
+    with named_model_settings():
+        model, packing = build_model(
+            hp["name_or_path"], hp["model_config"], hp["vocab_size"], hp["dtype"], hp["attn_backend"], device,
+            hp["mixers"], hp["isolation_check"], hp["resize_embeddings"], hp["gradient_checkpointing"], lora,
+            check_head=hp["loss_impl"] != "full", deferred=deferred,
+        )  # fmt: skip
+    if not deferred and (hp["model_config"] is not None or (lora and lora_init_supported(lora))):
+        adapters = None if hp["model_config"] is not None else lambda name: ".lora_" in name
+        initialize(model, torch.initial_seed(), only=adapters)
+    references = [copy.deepcopy(model).eval().requires_grad_(False)] if copy_reference else []
+    if references and not deferred:
+        pack_model(references[0], "per_example")  # a copy is a new model: through the door, on the host
+    return Built(model, packing, references)
+
+
+def shard_models(models: list[torch.nn.Module], mesh, precision: str, broadcast_init: bool) -> None:
+    """Split every model over Lightning's mesh (`sharding.shard_model`), saying so in one line; `broadcast_init`: a
+    random init built whole is rank 0's on every rank first (as DDP does at wrap)."""
+    tp = tensor_parallel_size(mesh)
+    if tp > 1:
+        tensor_parallel_plan(models[0], tp)  # refused before any collective
+    if broadcast_init:
+        with torch.no_grad():
+            for tensor in [*models[0].parameters(), *models[0].buffers()]:
+                torch.distributed.broadcast(tensor.data, src=0)
+    for model in models:
+        plan = shard_model(model, mesh, precision)
+    log.info(
+        "FSDP2: %d %s layers and the root sharded over %d data-parallel ranks%s",
+        len(plan.layers), plan.layer_class, data_parallel_mesh(mesh).size(),
+        f", attention heads and MLP columns split over {tp} tensor-parallel ranks" if tp > 1 else "",
+    )  # fmt: skip
+
+
+def fill_models(hp, models: list[torch.nn.Module], strategy) -> Packing:
+    """Allocate and fill deferred models (the trained one first, then a reference copy) where the strategy trains,
+    each rank its shards only (`materialize.materialize`), then pack them (`finish_build`): returns the trained
+    model's `Packing`. A collective: every rank calls it."""
+    with host_memory_returned():
+        device, start = strategy.root_device, time.perf_counter()
+        folder = None if hp["model_config"] is not None else local_folder(resolve_pretrained(hp["name_or_path"]))
+        weights = Weights(hp["name_or_path"], folder, strategy.broadcast(torch.initial_seed()))
+        for model in models:
+            materialize(model, device, weights)
+        log.info("weights %s in %.1f s: %s on this rank", f"read from {folder}" if folder else "initialised",
+                 time.perf_counter() - start, count(sum(local_tensor(p).numel() for p in models[0].parameters()),
+                 "parameter"))  # fmt: skip
+        with named_model_settings():
+            packing = finish_build(models[0], hp["attn_backend"], device, hp["mixers"], hp["isolation_check"],
+                                   check_head=hp["loss_impl"] != "full")  # fmt: skip
+            for reference in models[1:]:
+                finish_build(reference, "per_example", device, hp["mixers"], check=False, check_head=False)
+        for model in models:
+            reshard(model)  # the probe's forwards left the root gathered
+    return packing
+
+
+def check_model_settings(hp: Mapping[str, Any]) -> None:
+    """Range-check the numeric settings and choices, naming each by its CLI path (`model.lr`)."""
+    if hp["nonfinite"] not in ("error", "skip"):
+        raise ConfigError("model.nonfinite", f"{hp['nonfinite']!r} is not a policy", "use error or skip")
+    check_range("model.lr", hp["lr"], 0)  # 0 is a dry run: gradients without updates
+    check_range("model.weight_decay", hp["weight_decay"], 0)
+    check_range("model.eps", hp["eps"], 0, low_open=True)
+    check_range("model.warmup_steps", hp["warmup_steps"], 0)
+    check_range("model.min_lr_ratio", hp["min_lr_ratio"], 0, 1)
+    check_range("model.vocab_size", hp["vocab_size"], 1)
+    check_range("model.memory_limit_gb", hp["memory_limit_gb"], 0, low_open=True)
+    check_range("model.memory_margin", hp["memory_margin"], 0, 1, high_open=True)
+    for i, beta in enumerate(hp["betas"]):
+        check_range(f"model.betas[{i}]", beta, 0, 1, high_open=True)

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lit_packing.batch import CU_SEQ_LENS_Q, IGNORE_INDEX, LABELS, SEQ_IDX, is_packed
-from lit_packing.errors import ConfigError, check_range
+from lit_packing.batch import CU_SEQ_LENS_Q, IGNORE_INDEX, LABELS, SEQ_IDX, STEP, is_packed
+from lit_packing.errors import ConfigError, DataError, check_range
 
 LossNormalization = Literal["token", "sequence"]
 LossImpl = Literal["chunked", "full", "liger"]
@@ -254,6 +254,53 @@ def liger_token_loss_sum(inputs: HeadInputs, labels: torch.Tensor) -> tuple[torc
     return loss.float(), mask.sum().float()
 
 
+# The strategies whose gradient reduction this loss is tested under: DDP and FSDP1 average gradients over ranks;
+# ModelParallelStrategy (FSDP2, `configure_model`) is set to sum them (`sharding.shard_model`). By class name,
+# exactly: a subclass may change how gradients are reduced. ShardedStrategy is ModelParallelStrategy with atomic
+# checkpoints (`lit_packing.strategies`), which the CLI runs in its place.
+TESTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "ModelParallelStrategy", "ShardedStrategy")
+SUMMING_STRATEGIES = ("ModelParallelStrategy", "ShardedStrategy")
+
+
+def check_strategy(name: str) -> None:
+    """Refuse a Lightning strategy (by class name) that this loss's normalisation is not tested under."""
+    if name not in TESTED_STRATEGIES:
+        raise ConfigError(
+            "trainer.strategy",
+            f"{name} is not supported: the loss normalisation is tested under {', '.join(TESTED_STRATEGIES)}",
+            "use auto, ddp, ModelParallelStrategy (FSDP2) or fsdp (FSDP1, CUDA GPUs only)",
+        )
+
+
+def gradient_factor(strategy: str, world_size: int, accumulate: int) -> int:
+    """What a micro-batch's objective is multiplied by so that the optimizer step's gradient is the sum over every
+    micro-batch on every rank (divided by the step's normaliser): Lightning divides by `accumulate` and DDP
+    averages over ranks; FSDP2 sums (`sharding.shard_model`).
+
+    >>> gradient_factor("DDPStrategy", 4, 2), gradient_factor("ShardedStrategy", 4, 2)
+    (8, 2)
+    """
+    return (1 if strategy in SUMMING_STRATEGIES else world_size) * accumulate
+
+
+def step_normalizer(batch: Mapping[str, Any], parts: LossParts, key: str, world_size: int, accumulate: int):
+    """What a micro-batch's loss sum is divided by: its optimizer step's global `key` (`label_tokens` or
+    `sequences`, from the batch's `STEP` totals), else (one rank, no accumulation) the micro-batch's own.
+
+    Raises:
+        DataError: the batch has no step totals while several micro-batches make a step.
+    """
+    if STEP in batch:
+        return max(batch[STEP][key], 1)
+    if world_size * accumulate > 1:
+        raise DataError(
+            f"the batch has no '{STEP}' totals, so with world_size={world_size} and accumulate_grad_batches="
+            f"{accumulate} its loss cannot be normalised over the optimizer step: use PackingDataModule's samplers, "
+            "or give every micro-batch of a step lit_packing.batch.attach_step(...)"
+        )
+    return parts.normalizer.detach().clamp_min(1)
+
+
 def eval_sums(outputs: torch.Tensor | HeadInputs, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Validation sums of one batch: token loss sum, label tokens, correct argmax predictions (0-dim tensors).
 
@@ -270,3 +317,30 @@ def eval_sums(outputs: torch.Tensor | HeadInputs, labels: torch.Tensor) -> tuple
         losses.append(F.cross_entropy(logits.to(_loss_dtype(logits.dtype)), targets[i : i + size], reduction="none"))
         correct += (logits.argmax(-1) == targets[i : i + size]).sum()
     return torch.cat(losses).sum(), mask.sum(), correct
+
+
+class EvalTotals(torch.nn.Module):
+    """Each stage's validation sums (`eval_sums`: loss, label tokens or pairs, correct predictions) over every step
+    and rank, as torchmetrics sums (exact over steps and ranks; `nan_strategy="disable"` avoids a device sync)."""
+
+    NAMES = ("loss_sum", "tokens", "correct")
+
+    def __init__(self, stages: tuple[str, ...]) -> None:
+        import torchmetrics
+
+        super().__init__()
+        sums = lambda: torch.nn.ModuleDict({n: torchmetrics.SumMetric(nan_strategy="disable") for n in self.NAMES})  # noqa: E731
+        self.stages = torch.nn.ModuleDict({stage: sums() for stage in stages})
+
+    def update(self, stage: str, loss_sum: torch.Tensor, tokens: torch.Tensor, correct: torch.Tensor) -> None:
+        for name, value in zip(self.NAMES, (loss_sum, tokens, correct)):
+            self.stages[stage][name].update(value)
+
+    def compute(self, stage: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean loss, accuracy) of the stage over every step and rank; the sums are then reset."""
+        metrics = self.stages[stage]
+        tokens = metrics["tokens"].compute().clamp_min(1)
+        loss, accuracy = metrics["loss_sum"].compute() / tokens, metrics["correct"].compute() / tokens
+        for metric in metrics.values():
+            metric.reset()
+        return loss, accuracy

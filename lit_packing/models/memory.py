@@ -52,6 +52,8 @@ from lit_packing.errors import StepMemoryError
 from lit_packing.models.sharding import gathered_parameter_bytes, is_sharded, local_tensor
 
 log = logging.getLogger(__name__)
+# What the value of a sampler setting sized by `largest_fitting` (`auto`) counts, as its log line says it.
+AUTO_UNITS = {"max_tokens": "tokens per pack", "batch_size": "examples per batch"}
 
 GiB = 2**30
 PROBE_LENGTHS = (64, 128, 256)
@@ -328,7 +330,7 @@ def saved_activation_bytes(lm: Any, length: int, padded: bool) -> int:
     was_training = lm.hf_model.training
     lm.hf_model.eval()
     try:
-        with torch.enable_grad(), lm._forward_context(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.enable_grad(), lm.forward_context(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             lm.head_inputs(batch).hidden.sum()
     finally:
         lm.hf_model.train(was_training)
@@ -459,3 +461,50 @@ def check_fit_memory(lm: Any, step: StepShape | None) -> MemoryEstimate | None:
             logger.log_metrics({"train/predicted_peak_memory_gb": estimate.peak / GiB}, step=0)
     estimate.check()
     return estimate
+
+
+def largest_fitting(
+    lm, step_of: Callable[[int], StepShape], candidates: Sequence[int], what: str = "max_tokens",
+    unit: str | None = None,
+) -> tuple[int | None, MemoryEstimate]:  # fmt: skip
+    """The largest step size whose predicted peak memory fits with `lm`'s `memory_margin` to spare: what
+    `max_tokens: auto` / `batch_size: auto` ask a `PackedCausalLM` (through `contract.largest_fitting`) when the
+    training loader is built, with the model on its device and the trainer attached.
+
+    The probes run once (3 forwards, `memory_model`); each candidate's estimate is then arithmetic. Logs one line
+    (the choice, its predicted peak, the limit and margin, the next candidate's peak) and, on global rank zero,
+    `train/auto_<what>` at step 0.
+
+    Args:
+        step_of: a candidate -> the worst-case `StepShape` of a step that size (the collator's padding rule applied
+            to the longest example).
+        candidates: increasing values to choose from.
+        what: the setting being chosen, as the log line names it: `max_tokens`, `batch_size`.
+        unit: what the value counts, as the log line says it; default `tokens per pack` for `max_tokens`,
+            `examples per batch` for `batch_size`.
+
+    Returns:
+        (value, estimate): the largest candidate whose predicted peak is at most the limit (`memory_limit_gb`, else
+        the device's memory) x (1 - `memory_margin`), None when none is; with several ranks, the smallest any rank
+        chose. The estimate is that candidate's (the smallest candidate's when none fits).
+    """
+    candidates = increasing(candidates)
+    trainer = lm.trainer
+
+    def smallest_over_ranks(index: int) -> int:
+        """Every rank must build the same plan: the smallest rank's choice (one all-gather with several ranks)."""
+        if trainer.world_size == 1:
+            return index
+        return int(trainer.strategy.all_gather(torch.tensor(index, device=lm.device)).min())
+
+    memory = memory_model(lm, str(trainer.precision), padded=step_of(candidates[0]).padded)
+    choice = choose_largest_fitting(memory, step_of, candidates, lm.hparams.memory_margin, agree=smallest_over_ranks)
+    unit = unit or AUTO_UNITS.get(what, "")
+    if choice.value is None:
+        log.warning(choice.describe(what, unit))
+        return None, choice.estimate
+    log.info(choice.describe(what, unit))
+    if trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.log_metrics({f"train/auto_{what}": float(choice.value)}, step=0)
+    return choice.value, choice.estimate

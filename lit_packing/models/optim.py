@@ -3,15 +3,68 @@ and a warmup-then-decay learning-rate multiplier.
 
     groups = parameter_groups(model, weight_decay=0.1)
     torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule("cosine", warmup_steps=20, total_steps=1000))
+    adamw_and_schedule(lm, lm.hparams)     # PackedCausalLM.configure_optimizers
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
 from lit_packing.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def adamw_and_schedule(lm, hp: Mapping[str, Any]) -> dict:
+    """What `PackedCausalLM.configure_optimizers` returns: AdamW over `parameter_groups` and its per-step schedule
+    (`lr_schedule`) over the trainer's step count."""
+    trainer = lm.trainer
+    # Fused AdamW unscales inside step(): Lightning's mixed-precision plugin (bf16-mixed and 16-mixed) refuses to
+    # clip gradients for such an optimizer, so a clipped mixed-precision run takes the foreach kernel.
+    mixed = str(trainer.precision).endswith("-mixed")
+    fused = lm.device.type == "cuda" and not (mixed and (trainer.gradient_clip_val or 0) > 0)
+    optimizer = torch.optim.AdamW(
+        parameter_groups(lm.model, hp["weight_decay"]), lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
+        fused=fused or None,
+    )  # fmt: skip
+
+    def schedule(total: float) -> Callable[[int], float]:
+        kind = hp["scheduler"]
+        if not math.isfinite(total) and kind != "constant":
+            log.warning("the number of steps is unknown: scheduler=%s becomes constant; set trainer.max_steps", kind)
+            total, kind = 0, "constant"
+        return lr_schedule(kind, hp["warmup_steps"], max(1, int(total)), hp["min_lr_ratio"])
+
+    if trainer.strategy.restore_checkpoint_after_setup:
+        # A strategy that restores a checkpoint after `configure_optimizers` (ModelParallelStrategy): counting the
+        # steps now would start the training loader before a resume gives the data module its position.
+        first = schedule(hp["warmup_steps"] + 1)(0)  # step 0's multiplier, whatever the count
+        multiplier = counted_at_first_step(lambda: schedule(trainer.estimated_stepping_batches), first)
+    else:
+        multiplier = schedule(trainer.estimated_stepping_batches)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def counted_at_first_step(build: Callable[[], Callable[[int], float]], first: float) -> Callable[[int], float]:
+    """A schedule built when it is first asked for a step after 0 (`build`); at step 0, `first`: every schedule's
+    multiplier there is the same whatever the step count (warmup's first step, or the start of the decay). A plain
+    function, so that `LambdaLR.state_dict` does not try to save it."""
+    built: list[Callable[[int], float]] = []
+
+    def multiplier(step: int) -> float:
+        if step == 0 and not built:
+            return first
+        if not built:
+            built.append(build())
+        return built[0](step)
+
+    return multiplier
 
 
 def no_decay_parameter_ids(module: torch.nn.Module) -> set[int]:

@@ -31,8 +31,11 @@ from lit_packing.models.backends import (
     attention_needs,
     available_backends,
     check_backend,
+    precision_note,
     resolve_backend,
+    select_varlen_impl,
 )
+from lit_packing.models.head import check_liger
 from lit_packing.models.mixers import (
     MixerChoice,
     MixerRoute,
@@ -78,6 +81,24 @@ class Packing:
         self.device = device
         _base(model).set_attn_implementation(attn_implementation(self.backend))
         return self.backend
+
+    def place(
+        self, model: torch.nn.Module, device: torch.device, auto: bool, varlen_impl: str, dtype: torch.dtype,
+        loss_impl: str,
+    ) -> None:  # fmt: skip
+        """`to_device`, said in one line (the backend, `auto` when it was chosen, the FlashAttention implementation
+        torch_varlen runs), with the precision note of the backend at the activations' `dtype`; a liger loss is
+        checked for the device."""
+        self.to_device(model, device)
+        how = " (auto)" if auto else ""
+        if self.backend == "torch_varlen":
+            how += f", {select_varlen_impl(varlen_impl, device)}"
+        log.info("attention backend: %s%s on %s", self.backend, how, device)
+        note = precision_note(self.backend, dtype)
+        if note:
+            log.warning(note)
+        if loss_impl == "liger":
+            check_liger(device, _base(model).get_output_embeddings())
 
     def on_host(self, model: torch.nn.Module) -> None:
         """Run the exact per_example backend where the model is now (the host it was built on, for a GPU it will

@@ -24,8 +24,8 @@ from lit_packing.models.attention import HONOURED_KEYWORDS, INERT_KEYWORDS, PROB
 from lit_packing.models.selftest import (
     ISOLATION_RTOL,
     PADDED_FIX,
-    _blame,
     attn_implementation_set,
+    blame,
     find_leak,
     model_compute_dtype,
     reference_attention,
@@ -127,5 +127,5 @@ def _compare_alone(model: PreTrainedModel, small: Mapping[str, Any], packed: tor
         )
     if not float((packed - alone).abs().max()) <= rtol * max(1.0, float(alone.abs().max())):
         with attn_implementation_set(model, register_probe(set(), [])):
-            where = _blame(find_leak(model, small, reference, rtol), model)
+            where = blame(find_leak(model, small, reference, rtol), model)
         raise ConfigError("model.name_or_path", f"packed examples are not kept apart: {where}")

@@ -21,15 +21,18 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from lit_packing.errors import DataError
-from lit_packing.models.preference import PairLogps
-from lit_packing.models.sharding import local_tensor
+from lit_packing.batch import ROWS
+from lit_packing.errors import ConfigError, DataError
+from lit_packing.models.preference import PairLogps, pair_logps
+from lit_packing.models.sharding import local_tensor, reshard
+from lit_packing.text import count
 
 log = logging.getLogger(__name__)
 
@@ -166,3 +169,121 @@ def write_table(table: ReferenceTable, path: Path) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     torch.save(table.state(), tmp)
     os.replace(tmp, path)
+
+
+class PrecomputedReference:
+    """`model.reference: precomputed` in a `PackedCausalLM`: the tables by the split's data fingerprint (computed,
+    read from the cache or from a checkpoint) and each stage's on the device; the initial weights' identity keys
+    them.
+
+    Attributes:
+        initial_weights: `weights_fingerprint` of the model as built (before any checkpoint loads others).
+        tables: {data fingerprint: table}, kept in checkpoints (`state`, `load`).
+        loaded_weights: a checkpoint's weights were loaded: the policy is no longer the initial model.
+    """
+
+    def __init__(self, name_or_path: str) -> None:
+        self.name_or_path = name_or_path
+        self.initial_weights: str | None = None
+        self.tables: dict[str, ReferenceTable] = {}
+        self.stages: dict[str, tuple[ReferenceTable, str]] = {}  # stage -> (table on the device, its name)
+        self.loaded_weights = False
+
+    def state(self) -> dict:
+        return {data: table.state() for data, table in self.tables.items()}
+
+    def load(self, checkpoint: dict) -> None:
+        """A checkpoint's tables (the initial model's: used, never computed again); its weights replace the model's."""
+        self.loaded_weights = True
+        saved = checkpoint.get(CHECKPOINT_KEY, {})
+        self.tables.update({data: ReferenceTable(**state) for data, state in saved.items()})
+
+    def prepare(self, lm, *stages: str) -> None:
+        """Each stage's table on the device, from this run's memory or a checkpoint, else the cache beside the
+        tokenized data, else one no-grad pass of `lm` (a `PackedCausalLM`, which must still be the initial model: a
+        fit's start, before any step or checkpoint) over the split's pairs. Rank 0 decides what is read, and every
+        rank computes its share of a pass, so the ranks' forwards stay matched."""
+        pair_split = lm._data.pair_split if lm._data is not None else None
+        for stage in stages:
+            split = pair_split(stage) if pair_split is not None else None
+            if split is None:
+                if stage == "train":
+                    raise ConfigError(
+                        "model.reference",
+                        "precomputed computes the reference log-probs from the training pairs of a "
+                        "PackingDataModule's tokenized data (data.collator PairCollator, not streamed), and this "
+                        "fit has none",
+                        "train from a PackingDataModule with pairs, or set model.reference=copy",
+                    )
+                continue
+            table, where = self._table(lm, split, stage)
+            self.stages[stage] = (table.to(lm.device), where)
+
+    def lookup(self, stage: str, rows: Iterable[int], policy: PairLogps) -> PairLogps:
+        """The reference log-probs of a batch's pairs (its `rows`), in the batch's order."""
+        if stage not in self.stages:
+            raise ConfigError(
+                "model.reference",
+                f"precomputed: no reference log-probs for the {stage} pairs (they are computed at fit start, "
+                "from a PackingDataModule's pairs)",
+                "fit with a PackingDataModule, or set model.reference=copy",
+            )
+        table, where = self.stages[stage]
+        return table.lookup(rows, policy, where)
+
+    def _table(self, lm, split, stage: str) -> tuple[ReferenceTable, str]:
+        """One split's table and what names it in messages (read, or computed and cached)."""
+        trainer = lm.trainer
+        key = trainer.strategy.broadcast(
+            table_key(self.name_or_path, self.initial_weights, str(trainer.precision), split.fingerprint)
+        )  # rank 0's: every rank reads or computes the same
+        path = Path(split.folder) / f"{key}.pt" if split.folder is not None else None
+        where = f"{stage} pairs, {path or 'not cached: the data is in memory'}"
+        table = self.tables.get(split.fingerprint)
+        if table is not None:
+            log.info("reference log-probs (%s): %d pairs, from this run (a checkpoint, or the fit before)", where,
+                     len(table))  # fmt: skip
+            return table, where
+        found = read_table(path) if path is not None and trainer.is_global_zero else None
+        table = trainer.strategy.broadcast(found)
+        if table is not None:
+            log.info("reference log-probs (%s): %d pairs, read from the cache", where, len(table))
+        else:
+            if self.loaded_weights or lm.global_step > 0:
+                raise ConfigError(
+                    "model.reference",
+                    f"precomputed: the reference log-probs of the {stage} pairs are neither in the checkpoint nor "
+                    f"cached ({path}), and the model now holds trained weights, not the initial model's",
+                    "run a fit from the initial model first (it caches them), or set model.reference=copy",
+                )
+            table = compute_table(lm, split, stage)
+            if path is not None and trainer.is_global_zero:
+                write_table(table, path)
+        self.tables[split.fingerprint] = table
+        return table, where
+
+
+def compute_table(lm, split, stage: str) -> ReferenceTable:
+    """One no-grad pass of `lm`'s (initial) model over this rank's share of the split's pairs, as the training step
+    computes the policy's log-probs (the same head, precision context and packing); eval mode."""
+    from tqdm.auto import tqdm
+
+    trainer, loader, start = lm.trainer, split.loader(), time.perf_counter()
+    log.info("reference log-probs (%s pairs): computing %s with the initial model, %s on this rank "
+             "(model.reference=precomputed; once: later fits read the cache)", stage, count(split.pairs, "pair"),
+             count(len(loader), "batch"))  # fmt: skip
+    quiet = not trainer.is_global_zero or trainer.progress_bar_callback is None
+    training, parts = lm.model.training, []
+    lm.model.eval()
+    try:
+        with torch.no_grad(), lm.forward_context():
+            for batch in tqdm(loader, desc=f"reference log-probs ({stage})", disable=True if quiet else None):
+                batch = trainer.strategy.batch_to_device(batch)
+                parts.append((batch[ROWS], pair_logps(lm.loss_outputs(batch), batch)))
+    finally:
+        lm.model.train(training)
+    reshard(lm.model)  # no backward follows: the root's gathered weights freed
+    gather = lambda t: trainer.strategy.all_gather(t.to(lm.device))  # noqa: E731
+    table = ReferenceTable.of(parts).gathered(gather, trainer.world_size)
+    log.info("reference log-probs (%s pairs): %d computed in %.1f s", stage, len(table), time.perf_counter() - start)
+    return table

@@ -5,7 +5,7 @@
 
 Attention (`kernels.py`, the per-example backend) and the non-attention mixers (`mixers.py`) both cut a row at
 these boundaries; every layer of one forward receives the same `cu_seq_lens` tensor, so what is derived from it is
-built once per forward (`_memo`), not once per layer.
+built once per forward (`memo`), not once per layer.
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ def boundaries_from_positions(
         total = torch.tensor([batch * seq], device=idx.device, dtype=idx.dtype)
         return torch.cat([idx, total]).to(device=device, dtype=torch.int32)
 
-    return _memo(_POSITION_CACHE, position_ids, (batch, seq), build)
+    return memo(_POSITION_CACHE, position_ids, (batch, seq), build)
 
 
-def _memo(store: dict, key: torch.Tensor, variant: object, build: Callable):
+def memo(store: dict, key: torch.Tensor, variant: object, build: Callable):
     """Memo keyed on one tensor's identity: every layer of one forward receives the same cu_seq_lens object, so
     whatever depends on it only (index plans, masks) is built once per forward, not once per layer."""
     ref = store.get("ref")
@@ -74,7 +74,7 @@ def seq_idx(cu: torch.Tensor, tokens: int) -> torch.Tensor:
         ids = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths, output_size=tokens)
         return ids.to(torch.int32)[None]
 
-    return _memo(_SEQ_IDX_CACHE, cu, ("seq_idx", tokens), build)
+    return memo(_SEQ_IDX_CACHE, cu, ("seq_idx", tokens), build)
 
 
 _SEQ_IDX_CACHE: dict = {}
@@ -107,4 +107,4 @@ def length_groups(cu: torch.Tensor) -> tuple[list[LengthGroup], torch.Tensor | N
         inverse = None if in_order else torch.argsort(perm).to(cu.device)
         return groups, inverse
 
-    return _memo(_PLAN_CACHE, cu, "groups", build)
+    return memo(_PLAN_CACHE, cu, "groups", build)

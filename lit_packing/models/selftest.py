@@ -157,7 +157,7 @@ def check_isolation(
     relative = rtol if rtol is not None else ISOLATION_RTOL.get(dtype, 5e-2)
     tol = relative * scale
     if not diff <= tol:  # also catches nan
-        where = _blame(find_leak(model, small, reference, relative), base)
+        where = blame(find_leak(model, small, reference, relative), base)
         raise IsolationError(
             f"isolation self-test failed for attn_backend={backend}: packed logits differ from per-example logits "
             f"by max abs {diff:.3g} > tolerance {tol:.3g} ({dtype}, {len(cu) - 1} examples, {cu[-1]} tokens). "
@@ -230,7 +230,7 @@ def find_leak(
     return None
 
 
-def _blame(leak: tuple[str, torch.nn.Module, float] | None, base: torch.nn.Module) -> str:
+def blame(leak: tuple[str, torch.nn.Module, float] | None, base: torch.nn.Module) -> str:
     """What lets examples see each other, and what to do, from `find_leak`'s answer."""
     if leak is None:
         return (

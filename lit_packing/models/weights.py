@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from lit_packing.cost import flop_coefficients, model_shape
-from lit_packing.errors import TrainingError
+from lit_packing.errors import AssetError, DataError, TrainingError
 
 
 def describe_model(model: torch.nn.Module) -> str:
@@ -57,6 +57,34 @@ def weights_mismatch(saved: Mapping[str, Any], here: Mapping[str, torch.Tensor],
     if missing:
         parts.append(f"none of {len(missing):,} of this model's weights (first: {missing[0]})")
     return "; ".join(parts)
+
+
+def check_token_ids(token_id_range: tuple[int, int], model: torch.nn.Module) -> None:
+    """Refuse data whose token ids (`token_id_range`: the lowest and highest) fall outside the embedding table."""
+    low, high = token_id_range
+    rows = model.get_input_embeddings().num_embeddings
+    if low < 0 or high >= rows:
+        raise DataError(
+            f"the tokenized data holds token ids {low:,}..{high:,} but the model has {rows:,} embedding rows: "
+            f"data.tokenizer does not match model.name_or_path (use the model's own tokenizer, or "
+            f"model.resize_embeddings=true), or the tokenized cache was altered (delete it under data.cache_dir)"
+        )
+
+
+def check_checkpoint_weights(
+    saved: Mapping[str, Any], here: Mapping[str, torch.Tensor], strict: bool, path: str | None
+) -> None:
+    """Refuse a checkpoint of another model in one line, before Lightning loads its weights (a size mismatch would
+    otherwise end in a traceback); not `strict`, the model's weights the checkpoint lacks are allowed (a LoRA run's
+    checkpoint lacks the frozen weights by design)."""
+    problem = weights_mismatch(saved, here, strict)
+    if problem:
+        raise AssetError(
+            "--ckpt_path",
+            f"{path or 'the checkpoint'} holds another model than this run builds: {problem}",
+            "resume with the model settings it was trained with (model.name_or_path, model.model_config, "
+            "model.lora), or start a new run without --ckpt_path",
+        )
 
 
 def check_finite_weights(model: torch.nn.Module, path: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:

@@ -82,7 +82,7 @@ def test_autocast_q_k_v_of_mixed_dtypes_run_in_the_autocast_dtype(backend, dtype
             q = torch.randn(1, 4, 10, 16)  # (B, H, T, D) fp32, as RoPE leaves q and k
             v = torch.randn(1, 2, 10, 16, dtype=dtype)
             cu = torch.tensor([0, 4, 10], dtype=torch.int32, device="cuda")
-            kernel = {"flash_attn": kernels._flash_attn_varlen, "torch_varlen": kernels._torch_varlen}[backend]
+            kernel = {"flash_attn": kernels.flash_attn_varlen, "torch_varlen": kernels.torch_varlen}[backend]
             out, _ = attention._attention_forward(kernel)(
                 layer, q, q[:, :2].clone(), v, None, scaling=0.25, cu_seq_lens_q=cu, cu_seq_lens_k=cu
             )
@@ -138,8 +138,8 @@ def test_torch_varlen_pads_a_head_dim_that_is_not_a_multiple_of_8(emulated_gpu_w
     q, k, v = (torch.randn(10, h, 12, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2))
     cu = torch.tensor([0, 4, 10], dtype=torch.int32, device="cuda")
     opts = {"causal": True, "scale": 12**-0.5, "window": None, "softcap": None, "dropout": 0.0}
-    out = kernels._torch_varlen(q, k, v, cu, cu, 6, 6, **opts)
-    ref = kernels._per_example(q.float(), k.float(), v.float(), cu, cu, 6, 6, **opts)
+    out = kernels.torch_varlen(q, k, v, cu, cu, 6, 6, **opts)
+    ref = kernels.per_example_varlen(q.float(), k.float(), v.float(), cu, cu, 6, 6, **opts)
     assert out.shape == q.shape
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 

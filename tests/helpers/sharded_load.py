@@ -4,12 +4,13 @@ for the slow tests of the meta-device build (tests/models/test_materialize.py).
     python tests/helpers/sharded_load.py '{"folder": "/tmp/m", "devices": 2, "out": "/tmp/load", "export": "/tmp/e"}'
 
 Each rank writes `<out>.rank<r>.json`: its peak RssAnon above the interpreter's own (sampled every 2 ms) from the
-model's construction to the end of its filling (build, shard, fill) and to the end of setup (`fit` with
-`max_steps=0`: then the packing probe's forward, which gathers the root as every step does) and what it holds then, and its peak during the export when asked; whether every local shard equals the checkpoint's slice bit for
-bit (cast to fp32), whether the buffers equal those the model's own rotary module computes, and whether a tied head
-is one storage. `"whole": true` builds the model whole on every rank first (no `deferred_weights`), for comparison;
-`"model_config"` in place of `"folder"`: a random init; `"lora"`: adapters; `"weights": true`: rank 0 also saves
-the initial (trainable, with a folder) weights whole to `<out>.weights.pt`.
+model's construction to the end of its filling (build, shard, fill: `load_peak`) and to the end of setup (`fit`
+with `max_steps=0`: then the packing probe's forward, which gathers the root as every step does: `setup_peak`),
+what it holds then (`held`) and its peak during the export when asked; whether every local shard equals the
+checkpoint's slice bit for bit (cast to fp32), whether the buffers equal those the model's own rotary module
+computes, and whether a tied head is one storage. `"whole": true` builds the model whole on every rank first (no
+`deferred_weights`), for comparison; `"model_config"` in place of `"folder"`: a random init; `"lora"`: adapters;
+`"weights": true`: rank 0 also saves the initial (trainable, with a folder) weights whole to `<out>.weights.pt`.
 """
 
 from __future__ import annotations

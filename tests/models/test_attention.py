@@ -230,7 +230,7 @@ def _per_example_sdpa(q, k, v, cu, window=None):
 def test_gpu_kernel_matches_fp32_reference(backend, window):
     from lit_packing.models import kernels
 
-    kernel = {"torch_varlen": kernels._torch_varlen, "flash_attn": kernels._flash_attn_varlen}[backend]
+    kernel = {"torch_varlen": kernels.torch_varlen, "flash_attn": kernels.flash_attn_varlen}[backend]
     lengths = [1, 17, 200, 513, 64, 64, 1000]
     q, k, v, cu = _kernel_inputs(lengths)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]

@@ -276,7 +276,7 @@ def test_fit_stops_before_first_step_on_broken_backend(tiny_llama_config, monkey
 
 
 def test_weight_decay_groups_and_schedule(tiny_llama_config):
-    from lit_packing.models.causal_lm import lr_schedule
+    from lit_packing.models.optim import lr_schedule
 
     lm = make_lm(tiny_llama_config, weight_decay=0.1, lr=1e-3)
     trainer = Trainer(accelerator="cpu", max_steps=10, logger=False)

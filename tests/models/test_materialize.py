@@ -63,14 +63,14 @@ def test_a_deferred_model_has_meta_parameters_real_buffers_and_one_tied_storage(
     fresh = type(hf.model.rotary_emb)(hf.config)
     assert torch.equal(hf.model.rotary_emb.inv_freq, fresh.inv_freq) and not hf.model.rotary_emb.inv_freq.is_meta
     assert lm.packing is None  # packed once filled (configure_model)
-    assert not any(t.is_meta for t in lm.eval_metrics.state_dict().values())
+    assert not any(t.is_meta for t in lm.eval_totals.state_dict().values())
 
 
 def test_lightnings_empty_init_context_defers_too():
     with torch.device("meta"):
         assert deferring()
         lm = PackedCausalLM(model_config=TINY_LLAMA, memory_check=False)
-    assert is_meta(lm.model) and not any(t.is_meta for t in lm.eval_metrics.state_dict().values())
+    assert is_meta(lm.model) and not any(t.is_meta for t in lm.eval_totals.state_dict().values())
 
 
 def test_the_random_init_is_the_same_whether_built_with_values_or_on_the_meta_device():

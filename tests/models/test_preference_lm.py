@@ -149,7 +149,7 @@ def test_the_precomputed_reference_equals_the_copy_and_the_lora_reference(tmp_pa
         lms[reference], recorder = pair_lm(objective="dpo", lr=1e-2, reference=reference, lora=lora), Losses()
         fit(lms[reference], pair_data(tmp_path), max_steps=3, precision="32-true", callbacks=[recorder])
         losses[reference] = torch.tensor(recorder.losses)
-    table, where = lms["precomputed"]._stage_tables["train"]
+    table, where = lms["precomputed"].precomputed.stages["train"]
     start = pair_lm(objective="dpo", reference=other, lora=lora)  # the initial model again (seeded)
     data = pair_data(tmp_path)
     data.prepare_data()
@@ -201,16 +201,16 @@ def test_a_resumed_fit_keeps_the_initial_models_reference_logps(tmp_path, monkey
     monkeypatch.setattr(PackedCausalLM, "_compute_table", refuse_a_pass)
     resumed = pair_lm(objective="dpo", lr=1e-2)
     fit(resumed, pair_data(tmp_path), max_steps=3, ckpt_path=str(tmp_path / "step2.ckpt"))
-    assert resumed.global_step == 3 and resumed._reference_tables.keys() == lm._reference_tables.keys()
-    for data, table in lm._reference_tables.items():
-        assert torch.equal(resumed._reference_tables[data].logps, table.logps)
+    assert resumed.global_step == 3 and resumed.precomputed.tables.keys() == lm.precomputed.tables.keys()
+    for data, table in lm.precomputed.tables.items():
+        assert torch.equal(resumed.precomputed.tables[data].logps, table.logps)
     data = pair_data(tmp_path)
     data.prepare_data()
     data.setup("fit")
     batch = next(iter(data.val_dataloader()))
     with torch.no_grad():
         trained = pair_logps(lm.head_inputs(batch), batch)
-    table, where = resumed._stage_tables["val"]
+    table, where = resumed.precomputed.stages["val"]
     assert (table.lookup(batch[ROWS], trained, where).chosen - trained.chosen).abs().max() > 1e-3
 
     checkpoint = torch.load(tmp_path / "step2.ckpt", weights_only=True)  # the toolkit writes plain values only
@@ -261,7 +261,7 @@ trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=1, pre
                   limit_val_batches=0, use_distributed_sampler=False)
 trainer.fit(lm, datamodule=pair_data(tmp))
 if trainer.is_global_zero:
-    torch.save({{stage: table.state() for stage, (table, _) in lm._stage_tables.items()}}, tmp / "ddp.pt")
+    torch.save({{stage: table.state() for stage, (table, _) in lm.precomputed.stages.items()}}, tmp / "ddp.pt")
     print("DDP-OK", float(trainer.callback_metrics["train/loss"]))
 """
 
@@ -280,9 +280,9 @@ def test_two_ddp_ranks_each_compute_their_share_of_the_same_table(tmp_path):
     shared = torch.load(tmp_path / "ddp" / "ddp.pt", weights_only=True)
     alone = pair_lm(objective="dpo")
     fit(alone, pair_data(tmp_path), max_steps=1)
-    assert shared.keys() == alone._stage_tables.keys() == {"train", "val"}
+    assert shared.keys() == alone.precomputed.stages.keys() == {"train", "val"}
     for stage, state in shared.items():
-        table = alone._stage_tables[stage][0]
+        table = alone.precomputed.stages[stage][0]
         assert torch.equal(state["rows"], table.rows) and torch.equal(state["tokens"], table.tokens)
         torch.testing.assert_close(state["logps"], table.logps, rtol=1e-12, atol=1e-9)
 

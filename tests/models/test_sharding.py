@@ -89,12 +89,11 @@ def test_mixed_precision_gathers_half_parameters_and_reduces_in_fp32(precision, 
 def test_a_schedule_counted_at_the_first_step_is_the_schedule(kind, warmup):
     """Under a strategy that restores a checkpoint after `configure_optimizers`, the step count is read at the
     first step after 0 (reading it earlier would start the loader before a resume's position): same multipliers."""
-    from lit_packing.models.causal_lm import _counted_at_first_step
-    from lit_packing.models.optim import lr_schedule
+    from lit_packing.models.optim import counted_at_first_step, lr_schedule
 
     built = []
     eager = lr_schedule(kind, warmup, 20, 0.1)
-    lazy = _counted_at_first_step(lambda: built.append(1) or eager, lr_schedule(kind, warmup, warmup + 1, 0.1)(0))
+    lazy = counted_at_first_step(lambda: built.append(1) or eager, lr_schedule(kind, warmup, warmup + 1, 0.1)(0))
     assert lazy(0) == eager(0) and not built
     assert [lazy(step) for step in range(25)] == [eager(step) for step in range(25)] and built == [1]
 
