@@ -3,6 +3,7 @@
     lit-packing fit --config quickstart          # LightningCLI: fit, validate, test, predict (as python main.py)
     lit-packing report --config quickstart       # the packing report (python -m lit_packing.packing_report)
     lit-packing configs                          # the packaged configs: name, how it runs, what it is
+    lit-packing export --ckpt_path CKPT --output DIR   # a sharded run's checkpoint as a Hugging Face folder
 
 The benchmark is not part of the installed package: it runs from a checkout of the repository, from its root, with
 `python -m benchmarks` (`lit-packing bench` says so and exits with status 2).
@@ -35,6 +36,8 @@ def main() -> None:
         raise SystemExit(2)
     elif command == "configs":
         print_configs()
+    elif command == "export":
+        export(rest)
     else:
         if command in ("-h", "--help"):
             print(__doc__.split("\n\n")[1].rstrip("\n") + "\n")
@@ -52,3 +55,23 @@ def print_configs() -> None:
         runs = f"--config {DELTAS[name]} --config {name}" if name in DELTAS else f"--config {name}"
         print(f"{name:<{width}}  {runs}")
         print(textwrap.fill(describe(name), 116, initial_indent="    ", subsequent_indent="    "))
+
+
+def export(args: list[str]) -> None:
+    """`lit-packing export --ckpt_path CKPT --output DIR [--file_bytes N]` (`export.export_checkpoint`); an error is
+    one line and status 2."""
+    import argparse
+
+    from lit_packing.errors import LitPackingError
+    from lit_packing.models.export import EXPORT_FILE_BYTES, export_checkpoint
+
+    parser = argparse.ArgumentParser(prog="lit-packing export", description=export.__doc__)
+    parser.add_argument("--ckpt_path", required=True, help="a distributed checkpoint folder (sharded run)")
+    parser.add_argument("--output", required=True, help="the Hugging Face folder to write")
+    parser.add_argument("--file_bytes", type=int, default=EXPORT_FILE_BYTES, help="the most bytes a file holds")
+    options = parser.parse_args(args)
+    try:
+        export_checkpoint(options.ckpt_path, options.output, options.file_bytes)
+    except LitPackingError as error:
+        print(f"error: {error}", flush=True)
+        raise SystemExit(2) from None

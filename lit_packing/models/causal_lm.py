@@ -268,7 +268,7 @@ class PackedCausalLM(LightningModule):
         if mesh is not None:  # a copy built whole stays whole
             models = [self.model, *(self._reference if self._deferred else [])]
             broadcast = self.hparams.model_config is not None and not self._deferred
-            shard_models(models, mesh, str(self.trainer.precision), broadcast_init=broadcast)
+            shard_models(models, mesh, lambda: str(self.trainer.precision), broadcast_init=broadcast)
         if is_meta(self.model):
             self.packing = fill_models(self.hparams, [self.model, *self._reference], self.trainer.strategy)
             self._place_backend(self.trainer.strategy.root_device)

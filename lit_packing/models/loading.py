@@ -12,7 +12,7 @@ import contextlib
 import copy
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -301,9 +301,10 @@ def build_models(hp, deferred: bool, copy_reference: bool) -> Built:
     return Built(model, packing, references)
 
 
-def shard_models(models: list[torch.nn.Module], mesh, precision: str, broadcast_init: bool) -> None:
-    """Split every model over Lightning's mesh (`sharding.shard_model`), saying so in one line; `broadcast_init`: a
-    random init built whole is rank 0's on every rank first (as DDP does at wrap)."""
+def shard_models(models: list[torch.nn.Module], mesh, precision: Callable[[], str], broadcast_init: bool) -> None:
+    """Split every model over Lightning's mesh (`sharding.shard_model`), saying so in one line; `precision`: the
+    trainer's, asked once the plan is checked; `broadcast_init`: a random init built whole is rank 0's on every
+    rank first (as DDP does at wrap)."""
     tp = tensor_parallel_size(mesh)
     if tp > 1:
         tensor_parallel_plan(models[0], tp)  # refused before any collective
@@ -312,7 +313,7 @@ def shard_models(models: list[torch.nn.Module], mesh, precision: str, broadcast_
             for tensor in [*models[0].parameters(), *models[0].buffers()]:
                 torch.distributed.broadcast(tensor.data, src=0)
     for model in models:
-        plan = shard_model(model, mesh, precision)
+        plan = shard_model(model, mesh, precision())
     log.info(
         "FSDP2: %d %s layers and the root sharded over %d data-parallel ranks%s",
         len(plan.layers), plan.layer_class, data_parallel_mesh(mesh).size(),

@@ -276,3 +276,16 @@ def test_a_random_init_and_lora_adapters_are_one_process_weights_on_any_number_o
     adapters = {n: p for n, p in lora.model.named_parameters() if p.requires_grad}
     sharded = torch.load(tmp / "small_lora.weights.pt", weights_only=True)
     assert sharded.keys() == adapters.keys() and all(torch.equal(sharded[k], adapters[k]) for k in sharded)
+
+
+def test_the_export_command_refuses_what_is_not_a_sharded_checkpoint_in_one_line(tmp_path, capsys, monkeypatch):
+    import sys as system
+
+    from lit_packing.commands import main
+
+    monkeypatch.setattr(system, "argv", ["lit-packing", "export", "--ckpt_path", str(tmp_path), "--output", "out"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    printed = capsys.readouterr().out.strip()
+    assert exit_.value.code == 2 and printed.count("\n") == 0
+    assert "is not a distributed checkpoint" in printed and "--ckpt_path" in printed

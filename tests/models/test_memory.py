@@ -192,11 +192,12 @@ def tiny_lm():
 
 @pytest.fixture
 def model_lines():
-    """The lines `PackedCausalLM` logs (the toolkit's logger may not propagate to pytest's)."""
+    """The lines `PackedCausalLM.largest_fitting` logs (`memory.largest_fitting`; the toolkit's logger may not
+    propagate to pytest's)."""
     lines: list[str] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("lit_packing.models.causal_lm")
+    logger = logging.getLogger("lit_packing.models.memory")
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

@@ -22,6 +22,7 @@ from lit_packing.batch import ROWS
 from lit_packing.data import HFDataset, PackingDataModule
 from lit_packing.data.collate import PairCollator
 from lit_packing.errors import ConfigError, DataError
+from lit_packing.models import reference as reference_module
 from lit_packing.models.causal_lm import PackedCausalLM
 from lit_packing.models.head import head_inputs
 from lit_packing.models.preference import PairLogps, pair_logps
@@ -173,7 +174,7 @@ def test_the_table_is_cached_read_by_the_next_fit_and_missed_when_the_model_or_d
 ):
     def messages(lm, data) -> list[str]:
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="lit_packing.models.causal_lm"):
+        with caplog.at_level(logging.INFO, logger="lit_packing.models.reference"):
             fit(lm, data, max_steps=1)
         return reference_messages(caplog)
 
@@ -181,7 +182,7 @@ def test_the_table_is_cached_read_by_the_next_fit_and_missed_when_the_model_or_d
     assert sum("computing" in m for m in first) == 2, first  # the training and the validation pairs
     assert len(list((tmp_path / "cache").rglob("reference-*.pt"))) == 2
     with monkeypatch.context() as patch:
-        patch.setattr(PackedCausalLM, "_compute_table", refuse_a_pass)
+        patch.setattr(reference_module, "compute_table", refuse_a_pass)
         again = messages(pair_lm(objective="ipo"), pair_data(tmp_path))  # ipo reads dpo's: the same log-probs
     assert len(again) == 2 and all("read from the cache" in m for m in again), again
     other_model = messages(pair_lm(objective="dpo", seed=1), pair_data(tmp_path))
@@ -198,7 +199,7 @@ def test_a_resumed_fit_keeps_the_initial_models_reference_logps(tmp_path, monkey
     fit(lm, pair_data(tmp_path), max_steps=2).save_checkpoint(tmp_path / "step2.ckpt")
     for cached in (tmp_path / "cache").rglob("reference-*.pt"):
         cached.unlink()
-    monkeypatch.setattr(PackedCausalLM, "_compute_table", refuse_a_pass)
+    monkeypatch.setattr(reference_module, "compute_table", refuse_a_pass)
     resumed = pair_lm(objective="dpo", lr=1e-2)
     fit(resumed, pair_data(tmp_path), max_steps=3, ckpt_path=str(tmp_path / "step2.ckpt"))
     assert resumed.global_step == 3 and resumed.precomputed.tables.keys() == lm.precomputed.tables.keys()

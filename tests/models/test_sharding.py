@@ -423,7 +423,8 @@ def test_dpo_sharded_trains_the_ddp_runs_losses_with_either_reference(tmp_path):
 def test_kill_9_of_a_sharded_run_then_resume_is_exact_and_exports_one_folder(tmp_path, tiny_llama_config):
     """2 FSDP2 ranks (2 loader workers each, accumulation 2) SIGKILLed after the distributed checkpoint of step 4
     (mid-epoch), resumed from that folder to step 6: every rank trains the batches the run left alone trained, and
-    both end with the same weights, each written as one Hugging Face folder."""
+    both end with the same weights, each written as one Hugging Face folder; `lit-packing export` converts the
+    last distributed checkpoint into the same weights."""
     from safetensors.torch import load_file
 
     from tests.cli.test_resume import RECORDER, env, fit_args, records
@@ -464,3 +465,13 @@ def test_kill_9_of_a_sharded_run_then_resume_is_exact_and_exports_one_folder(tmp
     assert len(alone) == 20 and alone["model.embed_tokens.weight"].shape == (49152, 64)  # whole, tied head once
     for key, tensor in alone.items():
         torch.testing.assert_close(resumed[key], tensor, rtol=1e-6, atol=1e-7, msg=key)
+    # The last checkpoint, converted by the command in one process, file by file: the run's own export.
+    out = tmp_path / "converted"
+    command = [sys.executable, "-m", "lit_packing", "export", "--ckpt_path", str(tmp_path / "alone" / "step=6.ckpt"),
+               "--output", str(out), "--file_bytes", "3000000"]  # fmt: skip
+    converted = subprocess.run(command, **run)
+    assert converted.returncode == 0, converted.stdout[-3000:] + converted.stderr[-3000:]
+    files = sorted(out.glob("*.safetensors"))
+    assert len(files) == 2 and (out / "model.safetensors.index.json").exists() and (out / "config.json").exists()
+    tensors = {key: tensor for file in files for key, tensor in load_file(file).items()}
+    assert tensors.keys() == alone.keys() and all(torch.equal(tensors[key], alone[key]) for key in alone)
