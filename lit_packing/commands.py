@@ -62,8 +62,9 @@ def export(args: list[str]) -> None:
     one line and status 2."""
     import argparse
 
+    from lit_packing.checkpoint_export import export_checkpoint
     from lit_packing.errors import LitPackingError
-    from lit_packing.models.export import EXPORT_FILE_BYTES, export_checkpoint
+    from lit_packing.models.export import EXPORT_FILE_BYTES
 
     parser = argparse.ArgumentParser(prog="lit-packing export", description=export.__doc__)
     parser.add_argument("--ckpt_path", required=True, help="a distributed checkpoint folder (sharded run)")
