@@ -172,9 +172,9 @@ class PackedCausalLM(LightningModule):
         check_model_settings(self.hparams)
         with named_model_settings():
             check_loss_settings(loss_impl, loss_chunk_size, loss_normalization)
-        # Under a sharded strategy (`materialize.deferred_weights`, or `init_module(empty_init=True)`) the model is
-        # built on the meta device and filled once sharded (`configure_model`); this module's own state is real.
-        self._deferred = deferring()
+        # Under a sharded strategy (`materialize.deferred_weights`, `init_module(empty_init=True)`) the model is built
+        # on the meta device, filled once sharded (`configure_model`) from the seed it is built under.
+        self._deferred, self._init_seed = deferring(), torch.initial_seed()
         with torch.device("cpu") if self._deferred else contextlib.nullcontext():
             with named_model_settings():
                 self.preference = preference_settings(objective, beta, simpo_gamma_beta_ratio, reference, lora)
@@ -201,8 +201,7 @@ class PackedCausalLM(LightningModule):
         self.memory_estimate = None  # set at train start (`memory_check`)
         self._data: DataContract | None = None  # what the data publishes (`connect_data`)
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Setup
+    # Setup: the build's later steps, the data's contract, checkpoints
 
     @property
     def attn_backend(self) -> str:
@@ -270,7 +269,8 @@ class PackedCausalLM(LightningModule):
             broadcast = self.hparams.model_config is not None and not self._deferred
             shard_models(models, mesh, lambda: str(self.trainer.precision), broadcast_init=broadcast)
         if is_meta(self.model):
-            self.packing = fill_models(self.hparams, [self.model, *self._reference], self.trainer.strategy)
+            self.packing = fill_models(self.hparams, [self.model, *self._reference], self.trainer.strategy,
+                                       self._init_seed)  # fmt: skip
             self._place_backend(self.trainer.strategy.root_device)
             if self.precomputed is not None:
                 self.precomputed.initial_weights = self.trainer.strategy.broadcast(weights_fingerprint(self.model))
@@ -354,8 +354,7 @@ class PackedCausalLM(LightningModule):
         trainer = attached_trainer(self)
         return trainer.precision_plugin.forward_context() if trainer is not None else contextlib.nullcontext()
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Steps
+    # Steps: the loss, the optimizer step's guards, evaluation
 
     def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """Logits (B, T, V) of a packed or padded batch. Never uses a KV cache: a cache disables isolation."""
@@ -473,7 +472,6 @@ class PackedCausalLM(LightningModule):
         self.log(f"{stage}/perplexity", loss.exp())
         self.log(f"{stage}/token_accuracy", accuracy)
 
-    # ------------------------------------------------------------------------------------------------------------
     # Optimizer, export
 
     def configure_optimizers(self):

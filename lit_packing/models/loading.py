@@ -321,14 +321,15 @@ def shard_models(models: list[torch.nn.Module], mesh, precision: Callable[[], st
     )  # fmt: skip
 
 
-def fill_models(hp, models: list[torch.nn.Module], strategy) -> Packing:
+def fill_models(hp, models: list[torch.nn.Module], strategy, seed: int) -> Packing:
     """Allocate and fill deferred models (the trained one first, then a reference copy) where the strategy trains,
-    each rank its shards only (`materialize.materialize`), then pack them (`finish_build`): returns the trained
-    model's `Packing`. A collective: every rank calls it."""
+    each rank its shards only (`materialize.materialize`; a random init from rank 0's `seed`, the one the model was
+    built under), then pack them (`finish_build`): returns the trained model's `Packing`. A collective: every rank
+    calls it."""
     with host_memory_returned():
         device, start = strategy.root_device, time.perf_counter()
         folder = None if hp["model_config"] is not None else local_folder(resolve_pretrained(hp["name_or_path"]))
-        weights = Weights(hp["name_or_path"], folder, strategy.broadcast(torch.initial_seed()))
+        weights = Weights(hp["name_or_path"], folder, strategy.broadcast(seed))
         for model in models:
             materialize(model, device, weights)
         log.info("weights %s in %.1f s: %s on this rank", f"read from {folder}" if folder else "initialised",

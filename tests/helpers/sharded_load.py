@@ -27,7 +27,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lit_packing.models import PackedCausalLM
-from lit_packing.models import causal_lm as causal_lm_module
+from lit_packing.models import loading
 from lit_packing.models.export import export_sharded
 from lit_packing.models.materialize import checkpoint_names, deferred_weights
 from lit_packing.strategies import ShardedStrategy
@@ -98,13 +98,13 @@ def main(settings: dict) -> None:
     sampler = PeakSampler()
     base = sampler.reset()
     loaded: list[int] = []  # the peak once the model is filled, before it is packed (the probe's forward)
-    finish_build = causal_lm_module.finish_build
+    finish_build = loading.finish_build
 
     def packed_after_filling(*args, **kwargs):
         loaded.append(sampler.peak - base)
         return finish_build(*args, **kwargs)
 
-    causal_lm_module.finish_build = packed_after_filling
+    loading.finish_build = packed_after_filling
     folder = Path(settings["folder"]) if settings.get("folder") else None
     torch.manual_seed(SEED)
     source = {"name_or_path": str(folder)} if folder else {"model_config": settings["model_config"]}
