@@ -23,7 +23,8 @@ The probes are what costs (3 forwards); `memory_model` runs them once and its `e
 choosing among many step sizes costs no more than one estimate. A step fits when its predicted peak is at most the
 limit: what the process holds now plus what the device can still give it, or `model.memory_limit_gb` where that is
 lower. Choosing a step size keeps a fraction of the limit free (`model.memory_margin`) for what the prediction does
-not model (validation, allocator fragmentation, other processes).
+not model (validation, allocator fragmentation, other processes). One mechanism in one file: the probes, the
+estimate built from them and the choice among step sizes that reads only that estimate.
 """
 
 from __future__ import annotations

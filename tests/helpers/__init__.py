@@ -19,6 +19,8 @@ TINY_LLAMA = {
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
     "max_position_embeddings": 2048, "tie_word_embeddings": True,
 }  # fmt: skip
+# LoRA adapters on attention and MLP projections, as the sharded tests train and load them.
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 
 
 def make_examples(lengths, vocab=1000, seed=0, masked=3):

@@ -26,8 +26,7 @@ from lightning.pytorch import Trainer
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lit_packing.models import PackedCausalLM
-from lit_packing.models import loading
+from lit_packing.models import PackedCausalLM, loading
 from lit_packing.models.export import export_sharded
 from lit_packing.models.materialize import checkpoint_names, deferred_weights
 from lit_packing.strategies import ShardedStrategy

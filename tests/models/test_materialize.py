@@ -31,7 +31,7 @@ from lit_packing.models.materialize import (
     is_meta,
     materialize,
 )
-from tests.helpers import TINY_LLAMA
+from tests.helpers import LORA, TINY_LLAMA
 
 ROOT = Path(__file__).parents[2]
 LOAD = ROOT / "tests" / "helpers" / "sharded_load.py"
@@ -44,7 +44,6 @@ SMALL = dict(
     model_type="llama", vocab_size=5003, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=2048,
 )  # fmt: skip
-LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 SEED = 7  # tests/helpers/sharded_load.py's
 
 

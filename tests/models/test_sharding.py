@@ -39,11 +39,10 @@ from lit_packing.models.sharding import (
     tensor_parallel_plan,
 )
 from tests.conftest import TINY_CONFIGS
-from tests.helpers import TINY_LLAMA, tiny_model
+from tests.helpers import LORA, TINY_LLAMA, tiny_model
 
 ROOT = Path(__file__).parents[2]
 FIT = ROOT / "tests" / "helpers" / "sharded_fit.py"
-LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 # fp32 on 2 gloo ranks vs 1 process, 3 AdamW steps at lr 1e-2 with clipping, measured: losses within 3e-6, the
 # pre-clipping gradient norms within 1.1e-5 (relative), weights within 2.1e-4 (the embedding rows whose gradient is
