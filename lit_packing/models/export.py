@@ -5,23 +5,27 @@ sharded; a sharded one without any rank ever holding the whole model.
     export_sharded(lm.model, "runs/export", tokenizer)         # FSDP2: a collective, every rank calls it
 
 Sharded, the parameters are written file by file (`EXPORT_FILE_BYTES` each at most, as `save_pretrained` splits a
-large model), tensor by tensor: every rank gathers one tensor (an all-gather), rank 0 streams its bytes into the
-file (`SafetensorsStream`: the header first, from the shapes), and every rank drops it; so no rank holds more than
-its shards and one whole tensor. A tied head is written once, under the embeddings' name, as `save_pretrained`
-writes it; a LoRA model's adapters alone are gathered and saved by peft. Non-finite weights are refused before
-anything is written.
+large model), tensor by tensor, and a tensor sharded by rows (FSDP2's `Shard(0)`) block by block: each rank sends
+its rows to rank 0 in turn, which streams them into the file (`SafetensorsStream`: the header first, from the
+shapes); so rank 0 holds its shards and one other rank's block, every other rank its shards alone. A tensor split
+otherwise (tensor parallel's columns) is gathered whole on every rank, written and dropped.
+
+A tied head is written once, under the embeddings' name, as `save_pretrained` writes it; a LoRA model's adapters
+alone are gathered and saved by peft. Non-finite weights are refused before anything is written.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lit_packing.errors import TrainingError
 from lit_packing.models.weights import apply_umask, check_finite_weights
@@ -72,10 +76,11 @@ def export_sharded(model: torch.nn.Module, path: str, tokenizer=None, file_bytes
         name = "model.safetensors" if len(files) == 1 else f"model-{index:05d}-of-{len(files):05d}.safetensors"
         with SafetensorsStream(folder / name, {key: params[key] for key in names}) if rank0 else _nothing() as out:
             for key in names:
-                whole = _whole(params[key])  # every rank takes part in the gather; rank 0 writes it, then drops it
+                blocks = _rows_on_rank0(params[key])  # every rank runs it through: it sends its block in turn
                 if out is not None:
-                    out.write(key, whole)
-                del whole
+                    out.write_rows(key, blocks)
+                else:
+                    collections.deque(blocks, maxlen=0)
         weight_map.update(dict.fromkeys(names, name))
         total += sum(params[key].numel() * params[key].element_size() for key in names)
     if rank0:
@@ -113,11 +118,33 @@ class SafetensorsStream:
         return self
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
-        if key != self.order[self.written] or (tuple(tensor.shape), tensor.dtype) != self.shapes[key]:
-            raise ValueError(f"{key}: expected {self.order[self.written]} of {self.shapes[self.order[self.written]]}")
+        """The next tensor, whole."""
+        self._turn(key)
+        if (tuple(tensor.shape), tensor.dtype) != self.shapes[key]:
+            raise ValueError(f"{key}: expected {self.shapes[key]}, got {(tuple(tensor.shape), tensor.dtype)}")
+        self._append(tensor)
+        self.written += 1
+
+    def write_rows(self, key: str, blocks: Iterable[torch.Tensor]) -> None:
+        """The next tensor (of one dimension or more) as consecutive blocks of its rows."""
+        self._turn(key)
+        (rows, *rest), dtype = self.shapes[key]
+        for block in blocks:
+            if block.dtype != dtype or list(block.shape[1:]) != rest:
+                raise ValueError(f"{key}: a block of {tuple(block.shape)} {block.dtype}, not rows of {(rows, *rest)}")
+            self._append(block)
+            rows -= block.shape[0]
+        if rows:
+            raise ValueError(f"{key}: {rows} rows short of {self.shapes[key][0]}")
+        self.written += 1
+
+    def _turn(self, key: str) -> None:
+        if key != self.order[self.written]:
+            raise ValueError(f"{key}: expected {self.order[self.written]} next")
+
+    def _append(self, tensor: torch.Tensor) -> None:
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         self.file.write(memoryview(data.numpy()))
-        self.written += 1
 
     def __exit__(self, kind, value, traceback) -> None:
         self.file.close()
@@ -165,15 +192,72 @@ def file_plan(model: torch.nn.Module, file_bytes: int) -> list[list[str]]:
     return [names for names in files if names]
 
 
-def _named(model: torch.nn.Module, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    params = dict(model.named_parameters())
-    for name in names:
-        yield name, params[name]
-
-
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
     """The whole value of a sharded tensor on every rank (an all-gather); a plain tensor as it is."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _rows_on_rank0(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """A tensor's rows, block after block in order, on rank 0; every rank runs it through, sending its block when
+    its turn comes (point to point), so rank 0 holds one block at a time; ranks outside rank 0's mesh hold a copy
+    and send nothing. A tensor whose shards are not row blocks is gathered whole on every rank; a plain tensor is
+    itself."""
+    blocks = _row_blocks(tensor) if isinstance(tensor, DTensor) else None
+    if blocks is None:
+        yield _whole(tensor)
+        return
+    if 0 not in tensor.device_mesh.mesh.flatten().tolist():
+        return  # a copy on ranks apart from rank 0's (a replicated weight's tensor-parallel peers): rank 0 has its own
+    me, local = torch.distributed.get_rank(), tensor.to_local()
+    for owner, rows in blocks:
+        if owner == me == 0:
+            yield local
+        elif owner == me:
+            torch.distributed.send(local.contiguous(), dst=0)
+        elif me == 0:
+            block = local.new_empty((rows, *tensor.shape[1:]))
+            torch.distributed.recv(block, src=owner)
+            yield block
+
+
+def _row_blocks(tensor: DTensor) -> list[tuple[int, int]] | None:
+    """(owner's global rank, rows) of each distinct block of a tensor sharded by rows (every placement `Shard(0)`
+    or `Replicate`; nested left to right over the mesh's dimensions, each split as `torch.chunk` splits), in row
+    order, each held by the lowest rank that has it; None for any other placement (tensor parallel's columns,
+    FSDP2's strided shards over tensor parallel).
+
+    Raises:
+        RuntimeError: this rank's own block is not the size the split gives (a placement this does not know).
+    """
+    by_rows = all(type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in tensor.placements)
+    if tensor.dim() == 0 or not by_rows:
+        return None
+    mesh, owners = tensor.device_mesh, {}
+    splits = [size if type(p) is Shard else 1 for size, p in zip(mesh.shape, tensor.placements, strict=True)]
+    for coordinate in itertools.product(*map(range, mesh.shape)):
+        start, stop = row_range(tensor.shape[0], splits, coordinate)
+        rank = int(mesh.mesh[coordinate])
+        owners[(start, stop)] = min(rank, owners.get((start, stop), rank))
+        if tuple(coordinate) == tuple(mesh.get_coordinate()) and stop - start != tensor.to_local().shape[0]:
+            raise RuntimeError(f"a shard of {stop - start} rows expected, {tensor.to_local().shape[0]} held")
+    return [(owner, stop - start) for (start, stop), owner in sorted(owners.items()) if stop > start]
+
+
+def row_range(rows: int, splits: list[int], coordinate: tuple[int, ...]) -> tuple[int, int]:
+    """The rows [start, stop) a mesh coordinate holds of a tensor split by rows over each mesh dimension in turn
+    (`splits[d]` ways: the mesh's size where it shards, 1 where it replicates), each split as `torch.chunk` splits
+    (blocks of ceil(rows / ways), the last ones short or empty).
+
+    >>> [row_range(10, [4], (at,)) for at in range(4)]
+    [(0, 3), (3, 6), (6, 9), (9, 10)]
+    >>> [row_range(6, [4], (at,)) for at in range(4)]
+    [(0, 2), (2, 4), (4, 6), (6, 6)]
+    """
+    start, stop = 0, rows
+    for ways, at in zip(splits, coordinate, strict=True):
+        step = -(-(stop - start) // ways)
+        start, stop = min(start + at * step, stop), min(start + (at + 1) * step, stop)
+    return start, stop
 
 
 def _check_finite_shards(model: torch.nn.Module, path: str) -> None:

@@ -9,6 +9,7 @@ anonymous memory sampled), beside the same load built whole on every rank first;
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_packing.errors import AssetError, ConfigError
 from lit_packing.models import PackedCausalLM
-from lit_packing.models.export import SafetensorsStream, file_plan
+from lit_packing.models.export import SafetensorsStream, file_plan, row_range
 from lit_packing.models.materialize import (
     Weights,
     check_names,
@@ -148,6 +149,30 @@ def test_the_streamed_file_reads_back_as_safetensors_own(tmp_path, dtype):
     assert not list(tmp_path.glob(".*partial"))
 
 
+def test_a_tensor_streamed_in_row_blocks_is_the_file_written_whole(tmp_path):
+    tensor = torch.arange(30.0).reshape(10, 3)
+    with SafetensorsStream(tmp_path / "x.safetensors", {"t": tensor, "u": tensor[:2]}) as out:
+        out.write_rows("t", tensor.split([4, 0, 6]))
+        out.write_rows("u", [tensor[:2]])
+    assert torch.equal(load_file(tmp_path / "x.safetensors")["t"], tensor)
+    for blocks, error in (([tensor[:9]], "1 rows short"), ([tensor[:, :2]], "not rows of")):
+        with pytest.raises(ValueError, match=error), SafetensorsStream(tmp_path / "y.st", {"t": tensor}) as out:
+            out.write_rows("t", blocks)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 10, 32_001])
+@pytest.mark.parametrize("splits", [[1], [2], [4], [2, 2], [1, 4], [3, 1, 2]])
+def test_the_row_blocks_of_a_sharded_tensor_are_nested_chunks(rows, splits):
+    """As DTensor's `Shard(0)` splits over each mesh dimension in turn (`torch.chunk`), vocab not divisible too."""
+    for coordinate in itertools.product(*map(range, splits)):
+        held = torch.arange(rows)
+        for ways, at in zip(splits, coordinate):
+            pieces = held.chunk(ways)
+            held = pieces[at] if at < len(pieces) else held[:0]
+        start, stop = row_range(rows, splits, coordinate)
+        assert torch.equal(torch.arange(start, stop), held) or (start == stop and held.numel() == 0)
+
+
 def test_a_stream_cut_short_leaves_no_file(tmp_path):
     tensors = {"a": torch.ones(2), "b": torch.ones(3)}
     with pytest.raises(RuntimeError), SafetensorsStream(tmp_path / "x.safetensors", tensors) as out:
@@ -248,7 +273,9 @@ def test_loading_on_n_ranks_costs_each_rank_its_shard(loads):
 @pytest.mark.slow
 def test_the_export_round_trips_without_rank_0_holding_the_model(loads):
     """From 2 ranks, tied; and from 2 x 2 (data x tensor parallel), untied: `from_pretrained` of the folder gives
-    the checkpoint's weights (the model's dtype) tensor for tensor; rank 0's peak stays under the whole model."""
+    the checkpoint's weights (the model's dtype) tensor for tensor. Rank 0 holds its shard and one other rank's
+    block of rows at a time: measured 0.71 x the model at its peak, 0.11 above what it held before the export (the
+    embeddings' block); gathering each tensor whole took it to 0.95-1.01."""
     tmp = loads["tmp"]
     for source, export in (("big", "big_export"), ("small", "small_export")):
         expected = AutoModelForCausalLM.from_pretrained(tmp / source, dtype=torch.float32).state_dict()
@@ -257,8 +284,9 @@ def test_the_export_round_trips_without_rank_0_holding_the_model(loads):
         for name, tensor in expected.items():
             assert torch.equal(exported[name], tensor), (export, name)
     assert len(list((tmp / "big_export").glob("*.safetensors"))) > 1 and (tmp / "small_export" / "config.json").exists()
-    rank0 = loads["big2_export"][0]
-    assert rank0["export_peak"] < loads["model_bytes"], rank0["export_peak"] / loads["model_bytes"]
+    rank0, model = loads["big2_export"][0], loads["model_bytes"]
+    assert rank0["export_peak"] < 0.85 * model, rank0["export_peak"] / model
+    assert rank0["export_peak"] - rank0["held_before_export"] < 0.2 * model, rank0["held_before_export"] / model
 
 
 @pytest.mark.slow
