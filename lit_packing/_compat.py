@@ -33,12 +33,15 @@ __all__ = [
     "compiled_graphs",
     "dataset_fingerprint",
     "detach_wandb_run",
+    "flatten_mesh",
     "dummy_experiment",
     "foreach_norm",
+    "model_parallel_sizes",
     "moved",
     "packaged_builders",
     "parser_options",
     "ready_batches",
+    "set_model_parallel",
     "should_update_logs",
     "supports_sdpa",
     "trained_batches",
@@ -356,8 +359,41 @@ def detach_wandb_run(logger: Any) -> Any:
     return run
 
 
+def model_parallel_sizes(strategy: Any) -> tuple[Any, Any]:
+    """A `ModelParallelStrategy`'s configured (data_parallel_size, tensor_parallel_size), `auto` or ints.
+
+    Lightning: `strategy._data_parallel_size`, `strategy._tensor_parallel_size`; checked on 2.6.6.
+    """
+    return _get("lightning", "ModelParallelStrategy._data_parallel_size",
+                lambda: (strategy._data_parallel_size, strategy._tensor_parallel_size))  # fmt: skip
+
+
+def set_model_parallel(strategy: Any, data_parallel_size: int, tensor_parallel_size: int, mesh: Any = None) -> None:
+    """Set a `ModelParallelStrategy`'s sizes (what its `setup_environment` builds the mesh of) and, given, its device
+    mesh, also where its LightningModule reads it (`configure_model`'s `self.device_mesh`).
+
+    Lightning: `strategy._data_parallel_size`, `_tensor_parallel_size`, `_device_mesh` and the module's
+    `_device_mesh`; checked on 2.6.6.
+    """
+    model_parallel_sizes(strategy)  # the names are still there
+    strategy._data_parallel_size, strategy._tensor_parallel_size = data_parallel_size, tensor_parallel_size
+    if mesh is not None:
+        _get("lightning", "ModelParallelStrategy._device_mesh", lambda: strategy._device_mesh)
+        strategy._device_mesh = strategy.lightning_module._device_mesh = mesh
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # torch
+
+
+def flatten_mesh(mesh: Any, dims: tuple[str, ...], name: str) -> Any:
+    """The 1-D device mesh of `mesh`'s `dims` taken together (their ranks in row-major order), named `name`: the
+    ranks FSDP2 shards over when they span two dims of the mesh.
+
+    torch: `DeviceMesh._flatten`; checked on 2.13.0.
+    """
+    sub = mesh[dims]
+    return _get("torch", "DeviceMesh._flatten", lambda: sub._flatten)(name)
 
 
 def compiled_graphs() -> int:

@@ -42,9 +42,13 @@ PACKED_KEYS = (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, SEQ_IDX
 # from the row, segment by segment, by `KEY_INDEX` (Tk,) int64 (a continuation's: its prompt's tokens, then its
 # own), and `cu_seq_lens_k` / `max_length_k` describe them; causality is bottom-right aligned, as in FlashAttention.
 KEY_INDEX = "key_index"
+# Context parallelism (`models.context.deal`): the group (`ContextGroup`) whose ranks share one pack; a dealt batch
+# carries it, with `KEY_INDEX` into the keys all-gathered over it, and every attention layer gathers over it.
+CONTEXT = "context"
 # What a transformers model reads of a batch (packed or padded); the rest is for the loss and the callbacks.
 MODEL_KEYS = (
     INPUT_IDS, ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, KEY_INDEX,
+    CONTEXT,
 )  # fmt: skip
 TRUNCATED_TOKENS = "truncated_tokens"  # an example's tokens cut by the overlong policy (a tokenized column)
 # Preference pairs: a tokenized pair is one item, its chosen sequence's tokens first (`CHOSEN_TOKENS` of them), then

@@ -1,7 +1,13 @@
-"""ShardedStrategy: Lightning's `ModelParallelStrategy` (FSDP2, tensor parallel) whose distributed checkpoints are
-written atomically.
+"""ShardedStrategy: Lightning's `ModelParallelStrategy` (FSDP2, tensor parallel) with a context-parallel dimension,
+whose distributed checkpoints are written atomically.
 
     Trainer(strategy=ShardedStrategy(data_parallel_size=2, tensor_parallel_size=1))   # configs/fsdp2.yaml
+    Trainer(strategy=ShardedStrategy(context_parallel_size=2))                        # configs/context_parallel.yaml
+
+With `context_parallel_size` > 1 the device mesh has three dims, `data_parallel` x `context_parallel` x
+`tensor_parallel` (Lightning's two with one between them): the data is dealt over the data-parallel ranks only (the
+ranks of one context-parallel group train the same pack, each its share of the tokens: `models.context`), and
+FSDP2 shards over data x context ranks.
 
 Lightning writes a distributed checkpoint into its folder in place: every rank's shards, then rank 0's `meta.pt`
 (the loops, the data position). Rewriting a folder (`last.ckpt` at every save) and being killed part-way left new
@@ -18,14 +24,61 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.device_mesh import init_device_mesh
 
+from lit_packing._compat import model_parallel_sizes, set_model_parallel
 from lit_packing.checkpoint_io import PARTIAL_SUFFIX, hidden, is_local, remove, replace_folder
+from lit_packing.errors import ConfigError
 
 LIGHTNING_MODEL_PARALLEL = "lightning.pytorch.strategies.ModelParallelStrategy"
 
 
+MESH_DIMS = ("data_parallel", "context_parallel", "tensor_parallel")
+CP_SIZE_SETTING = "trainer.strategy.init_args.context_parallel_size"
+
+
 class ShardedStrategy(ModelParallelStrategy):
-    """`ModelParallelStrategy` with atomic distributed checkpoints (the module's docstring)."""
+    """`ModelParallelStrategy` with a context-parallel dim and atomic distributed checkpoints (the module's
+    docstring).
+
+    Args:
+        data_parallel_size: ranks that train different packs (`auto`: what the other two leave of the world).
+        context_parallel_size: ranks that train one pack together, each its share of the tokens (1: none).
+        tensor_parallel_size: ranks that split each layer's heads and MLP columns (`auto`: Lightning's, or 1
+            with context parallelism).
+        **kwargs: `ModelParallelStrategy`'s.
+    """
+
+    def __init__(self, data_parallel_size="auto", tensor_parallel_size="auto", context_parallel_size: int = 1,
+                 **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **kwargs)
+        if not isinstance(context_parallel_size, int) or context_parallel_size < 1:
+            raise ConfigError(CP_SIZE_SETTING, f"{context_parallel_size!r} is not a number of ranks",
+                              "set it to 1 or more")  # fmt: skip
+        self.context_parallel_size = context_parallel_size
+
+    def setup_environment(self) -> None:
+        """Lightning's, then with context parallelism the 3-D mesh in place of its 2-D one.
+
+        Raises:
+            ConfigError: the sizes do not multiply to the world size (naming `context_parallel_size`).
+        """
+        cp = self.context_parallel_size
+        if cp == 1:
+            super().setup_environment()
+            return
+        world = self.num_nodes * self.num_processes
+        dp, tp = model_parallel_sizes(self)
+        tp = 1 if tp == "auto" else int(tp)
+        dp = world // (cp * tp) if dp == "auto" else int(dp)
+        if dp * cp * tp != world:
+            raise ConfigError(CP_SIZE_SETTING, f"{cp} with data_parallel_size={dp} and tensor_parallel_size={tp} is "
+                              f"not the {world} ranks", "make data x context x tensor parallel sizes multiply to "
+                              "trainer.devices x trainer.num_nodes")  # fmt: skip
+        set_model_parallel(self, dp * cp, tp)  # Lightning's 2-D mesh, which checks them against the world
+        super().setup_environment()
+        mesh = init_device_mesh(self.root_device.type, (dp, cp, tp), mesh_dim_names=MESH_DIMS)
+        set_model_parallel(self, dp, tp, mesh)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if not self._save_distributed_checkpoint or storage_options is not None or not is_local(filepath):

@@ -15,6 +15,10 @@ Shared prompts (`key_index`, from `PairCollator(share_prompt=True)`): the keys a
 segment (a continuation's: its prompt's, then its own) and every kernel attends the queries of segment i of
 `cu_seq_lens_q` to the keys of segment i of `cu_seq_lens_k`, causality aligned bottom-right (the last query sees
 every key): FlashAttention's own convention for fewer queries than keys, and the per-example kernels' masks.
+
+Context parallel (`CONTEXT`, a batch `context.deal` made): the keys and values are first all-gathered over the
+context-parallel group, then picked by `key_index` the same way, each rank's piece of a document attending that
+document's keys up to its own last token.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from lit_packing.batch import (
     ATTENTION_MASK,
+    CONTEXT,
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
     KEY_INDEX,
@@ -38,6 +43,7 @@ from lit_packing.batch import (
     POSITION_IDS,
 )
 from lit_packing.errors import ConfigError, IsolationError
+from lit_packing.models.context import ContextGroup, gather_tokens
 from lit_packing.models.kernels import (
     HALF_ONLY,
     attend,
@@ -88,7 +94,7 @@ def register_backends() -> None:
 # What the packed backends do with each keyword a model's layers hand the attention function: honoured, or
 # without effect on the result. Anything else is refused at construction (`probe.probe_packing`).
 HONOURED_KEYWORDS = frozenset({
-    ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, KEY_INDEX,
+    ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, KEY_INDEX, CONTEXT,
     "dropout", "scaling", "sliding_window", "softcap", "is_causal", "s_aux", "sinks", "position_bias",
 })  # fmt: skip
 INERT_KEYWORDS = frozenset({
@@ -150,6 +156,7 @@ def _attention_forward(kernel: VarlenFn, check_door: bool = True) -> Callable:
         sinks: torch.Tensor | None = None,
         position_bias: torch.Tensor | None = None,
         key_index: torch.Tensor | None = None,
+        context: ContextGroup | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         batch, heads, seq, _ = query.shape
@@ -177,7 +184,9 @@ def _attention_forward(kernel: VarlenFn, check_door: bool = True) -> Callable:
         if packed and check_door and not torch.compiler.is_compiling() and module not in _PACKED_BY_DOOR:
             refuse_unpacked(module)
         q, k, v = (x.transpose(1, 2).reshape(batch * seq, x.shape[1], x.shape[3]) for x in (query, key, value))
-        if key_index is not None:  # shared prompts: each segment's keys, the prompt's gathered before its own
+        if context is not None:  # context parallel: every rank's keys, then `key_index` picks each piece's own
+            k, v = gather_tokens(k, v, context)
+        if key_index is not None:  # each segment's keys: a shared prompt's then its own, or a dealt piece's document
             if position_bias is not None:
                 raise ConfigError(
                     "data.collator.init_args.share_prompt",

@@ -27,6 +27,7 @@ from lit_packing.batch import LABELS, ROWS, StepShape, is_packed, model_inputs
 from lit_packing.contract import DataContract, DataModelConnection, ModelContract
 from lit_packing.cost import model_shape
 from lit_packing.models.backends import AttnBackend, VarlenImpl, activation_dtype
+from lit_packing.models.context import ContextGroup, check_context_parallel, check_dealable, deal
 from lit_packing.models.export import export_model, export_sharded, pretrained_tokenizer
 from lit_packing.models.guard import check_packed_batch
 from lit_packing.models.head import head_inputs
@@ -66,7 +67,14 @@ from lit_packing.models.preference import (
 )
 from lit_packing.models.reference import CHECKPOINT_KEY, PrecomputedReference, weights_fingerprint
 from lit_packing.models.selftest import check_isolation
-from lit_packing.models.sharding import clip_grad_norm, is_sharded, shard_count, sync_gradients
+from lit_packing.models.sharding import (
+    CONTEXT_PARALLEL,
+    clip_grad_norm,
+    context_parallel_size,
+    is_sharded,
+    shard_count,
+    sync_gradients,
+)
 from lit_packing.models.weights import check_checkpoint_weights, check_token_ids, describe_model
 
 log = logging.getLogger(__name__)
@@ -199,6 +207,7 @@ class PackedCausalLM(LightningModule):
         self._step_rows: list[int] = []  # source rows of the examples in the optimizer step under way (host-side)
         self._graphs_after_first_step: int | None = None  # torch.compile graphs compiled by the end of step 1
         self.memory_estimate = None  # set at train start (`memory_check`)
+        self.context: ContextGroup | None = None  # the context-parallel group this rank trains its packs with
         self._data: DataContract | None = None  # what the data publishes (`connect_data`)
 
     # Setup: the build's later steps, the data's contract, checkpoints
@@ -274,6 +283,13 @@ class PackedCausalLM(LightningModule):
             self._place_backend(self.trainer.strategy.root_device)
             if self.precomputed is not None:
                 self.precomputed.initial_weights = self.trainer.strategy.broadcast(weights_fingerprint(self.model))
+        if mesh is not None and (cp := context_parallel_size(mesh)) > 1:
+            check_context_parallel(cp, self.hf_model, self.packing.needs.position_bias, self.hparams)
+            ranks = mesh[CONTEXT_PARALLEL]
+            self.context = ContextGroup(ranks.get_group(), cp, ranks.get_local_rank())
+            if self.trainer.is_global_zero:
+                log.info("context parallel: each pack's tokens split over %d ranks, keys and values all-gathered in "
+                         "every attention layer", cp)  # fmt: skip
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint of another model in one line, before Lightning loads its weights (a size mismatch
@@ -336,7 +352,18 @@ class PackedCausalLM(LightningModule):
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if isinstance(batch, Mapping):
             check_packed_batch(batch)
+            if self.context is not None:
+                check_dealable(batch)
         return batch
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Context parallel: this rank's share of the pack (`context.deal`), after the isolation self-test has run
+        on the whole pack (under context parallelism, on the first training batch)."""
+        if self.context is None or not isinstance(batch, Mapping):
+            return batch
+        if self._isolation_pending and self.trainer.training:
+            self._check_isolation(batch)
+        return deal(batch, self.context)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_rows.extend(batch.get(ROWS, ()))
@@ -344,10 +371,13 @@ class PackedCausalLM(LightningModule):
         # Every rank runs it on its first packed batch, an empty pack included: the same number of forwards on
         # every rank (see `sample_packed`), so a sharded model's collectives stay matched and nothing hangs.
         if self._isolation_pending and is_packed(batch):
-            with self.forward_context(), named_model_settings():
-                diff = check_isolation(self.model, batch, self.attn_backend)
-            log.info("isolation self-test passed: attn_backend=%s, max abs logit diff %.3g", self.attn_backend, diff)
-            self._isolation_pending = False
+            self._check_isolation(batch)
+
+    def _check_isolation(self, batch: Mapping[str, Any]) -> None:
+        with self.forward_context(), named_model_settings():
+            diff = check_isolation(self.model, batch, self.attn_backend, context=self.context)
+        log.info("isolation self-test passed: attn_backend=%s, max abs logit diff %.3g", self.attn_backend, diff)
+        self._isolation_pending = False
 
     def forward_context(self):
         """The trainer's precision context for a forward outside the training step (none without a trainer)."""

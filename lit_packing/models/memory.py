@@ -17,7 +17,9 @@ largest step.
 Gradient checkpointing keeps each layer's input plus one recomputed layer instead. Sharded with FSDP2, parameters,
 gradients and AdamW's states count this rank's shard only (1/N of each over N data-parallel ranks), plus what is
 gathered whole at once: the root's parameters and two decoder layers' (`sharding.gathered_parameter_bytes`); the
-start-up line says so.
+start-up line says so. Context parallel over cp ranks, a rank's activations are those of its 1/cp of the pack's
+tokens and causal pairs, plus the keys and values each layer gathers (about the whole pack's), and so are
+`max_tokens: auto`'s.
 
 The probes are what costs (3 forwards); `memory_model` runs them once and its `estimate(step)` is arithmetic, so
 choosing among many step sizes costs no more than one estimate. A step fits when its predicted peak is at most the
@@ -82,6 +84,7 @@ class MemoryEstimate:
     limit: int
     shards: int = 1
     gathered: int = 0
+    context: int = 1
 
     @property
     def peak(self) -> int:
@@ -105,6 +108,8 @@ class MemoryEstimate:
             for name in ("resident", "optimizer", "autocast_weights", "activations", "logits", "gradients")
         )
         cap = f"; model.memory_limit_gb limits the whole process to {self.limit / GiB:.2f} GiB" if self.capped else ""
+        if self.context > 1:
+            parts += f" (activations of this rank's 1/{self.context} of the pack and the keys it gathers)"
         if self.shards > 1:
             unsharded = (self.shards - 1) * (self.optimizer + 2 * self.gradients) / GiB  # states, grads, weights
             parts += (
@@ -165,6 +170,10 @@ class MemoryModel:
         loss_impl: `full` builds every token's logits; the others one `loss_chunk_size` chunk at a time.
         loss_chunk_size: label tokens per loss chunk.
         vocab_size: logits per token.
+        shards: the ranks FSDP2 splits parameters, gradients and optimizer state over (1: none).
+        gathered: what a sharded rank holds whole at once beyond its shards (`sharding.gathered_parameter_bytes`).
+        context: the context-parallel ranks a pack is split over: a rank's activations are its share's.
+        key_value_bytes: bytes per token of one layer's keys and values, which a context-parallel rank gathers.
     """
 
     device: str
@@ -185,6 +194,8 @@ class MemoryModel:
     vocab_size: int
     shards: int = 1
     gathered: int = 0
+    context: int = 1
+    key_value_bytes: int = 0
 
     def estimate(self, step: StepShape) -> MemoryEstimate:
         """The predicted peak of training on `step` (see the module docstring), from the probes already run."""
@@ -194,12 +205,17 @@ class MemoryModel:
                 f"this memory model was probed on {layouts[self.padded]}, the step is {layouts[step.padded]}"
             )
         a, b, c = self.activation_fit
-        full = max(0.0, a + b * step.slot_tokens + c * step.attn_pairs)
+        tokens, pairs = step.slot_tokens, step.attn_pairs
+        if self.context > 1:  # this rank's share of the pack (head and tail: of its pairs too), plus a slot
+            tokens, pairs = -(-tokens // self.context) + 1, pairs / self.context
+        full = max(0.0, a + b * tokens + c * pairs)
+        # Context parallel: each layer's kernel keeps the keys and values it attends, about the whole pack's.
+        keys = step.slot_tokens * self.key_value_bytes if self.context > 1 else 0
         if self.gradient_checkpointing:
-            activations = self.layers * step.slot_tokens * self.layer_input_bytes + 2 * full / self.layers
+            activations = self.layers * tokens * self.layer_input_bytes + 2 * full / self.layers + keys
         else:
-            activations = full + full / self.layers  # plus one layer's gradients in flight in the backward
-        rows = step.slot_tokens if self.loss_impl == "full" else min(step.slot_tokens, self.loss_chunk_size)
+            activations = full + full / self.layers + self.layers * keys  # + a layer's gradients in the backward
+        rows = tokens if self.loss_impl == "full" else min(tokens, self.loss_chunk_size)
         return MemoryEstimate(
             step=step,
             device=self.device,
@@ -216,6 +232,7 @@ class MemoryModel:
             limit=self.limit,
             shards=self.shards,
             gathered=self.gathered,
+            context=self.context,
         )
 
 
@@ -369,6 +386,8 @@ def memory_model(lm: Any, precision: str, padded: bool) -> MemoryModel:
     head_bytes = local_tensor(head).numel() * head.element_size()
     resident, available = resident_bytes(device), available_bytes(device)
     cap = lm.hparams.get("memory_limit_gb")
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return MemoryModel(
         device=str(device),
         padded=padded,
@@ -388,6 +407,8 @@ def memory_model(lm: Any, precision: str, padded: bool) -> MemoryModel:
         vocab_size=config.vocab_size,
         shards=shards,
         gathered=gathered_parameter_bytes(lm.model, "mixed" in str(precision)) if shards > 1 else 0,
+        context=lm.context.size if getattr(lm, "context", None) is not None else 1,
+        key_value_bytes=2 * kv_heads * head_dim * (2 if mixed else next(hf.parameters()).element_size()),
     )
 
 

@@ -30,8 +30,10 @@ from lit_packing.batch import (
     PAIRS,
     POSITION_IDS,
     PROMPTS,
+    model_inputs,
 )
 from lit_packing.errors import IsolationError
+from lit_packing.models.context import ContextGroup, deal, deal_of, plan
 from lit_packing.models.kernels import compute_dtype
 from lit_packing.models.mixers import MIXER_CLASS
 
@@ -112,6 +114,7 @@ def check_isolation(
     backend: str,
     reference: str | None = None,
     rtol: float | None = None,
+    context: ContextGroup | None = None,
 ) -> float:
     """Packed forward of the model as configured == forward of each example alone; raise otherwise.
 
@@ -126,6 +129,8 @@ def check_isolation(
         reference: transformers attention for the per-example forward (default sdpa, eager where sdpa is missing).
         rtol: allowed max abs difference relative to max(1, max |logits|); default by the dtype the packed forward
             computed in (ISOLATION_RTOL): the autocast / parameter dtype, or the attention kernel's where lower.
+        context: context parallel: the packed forward runs dealt over the group (`context.deal`), its logits
+            gathered back into the pack's order; every rank of the group calls it with the same batch.
 
     Returns:
         The max abs difference of the logits.
@@ -141,7 +146,7 @@ def check_isolation(
     was_training = model.training
     model.eval()
     try:
-        packed = model(**small, use_cache=False).logits[0].float()  # (T, V)
+        packed = _packed_logits(model, small, context)  # (T, V)
         with attn_implementation_set(base, reference):
             alone = []
             for start, end in zip(cu[:-1], cu[1:]):
@@ -164,6 +169,17 @@ def check_isolation(
             f"{where}; isolation_check=false switches this test off"
         )
     return diff
+
+
+def _packed_logits(model: torch.nn.Module, small: dict[str, Any], context: ContextGroup | None) -> torch.Tensor:
+    """The packed forward's (T, V) fp32 logits; context parallel, dealt and gathered back (every rank of the group
+    runs it)."""
+    if context is None:
+        return model(**small, use_cache=False).logits[0].float()
+    local = model(**model_inputs(deal(small, context)), use_cache=False).logits[0].float()  # (slots, V)
+    rows = [torch.empty_like(local) for _ in range(context.size)]
+    torch.distributed.all_gather(rows, local.contiguous(), group=context.group)
+    return deal_of(plan(small[CU_SEQ_LENS_Q].cpu().numpy(), context.size)).undeal(rows)
 
 
 @torch.no_grad()

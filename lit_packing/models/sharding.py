@@ -38,10 +38,13 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from lit_packing._compat import flatten_mesh
 from lit_packing.errors import ConfigError
 
 DATA_PARALLEL = "data_parallel"  # Lightning's ModelParallelStrategy names its mesh dims so
 TENSOR_PARALLEL = "tensor_parallel"
+CONTEXT_PARALLEL = "context_parallel"  # ShardedStrategy's third dim, between them
+DATA_CONTEXT = "data_context_parallel"  # the two flattened: what FSDP2 shards over with context parallelism
 # Trainer precision -> the dtype FSDP2 gathers parameters in (gradients are reduced in fp32 whenever it is set).
 PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 TP_SIZE_SETTING = "trainer.strategy.init_args.tensor_parallel_size"
@@ -179,9 +182,17 @@ def shard_model(
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel sub-mesh of Lightning's 2-D mesh (a 1-D mesh is taken as it is)."""
+    """The ranks FSDP2 shards over: the data-parallel sub-mesh of Lightning's 2-D mesh, or with context
+    parallelism the data x context ranks flattened (a 1-D mesh is taken as it is)."""
     names = mesh.mesh_dim_names or ()
+    if context_parallel_size(mesh) > 1:
+        return flatten_mesh(mesh, (DATA_PARALLEL, CONTEXT_PARALLEL), DATA_CONTEXT)
     return mesh[DATA_PARALLEL] if DATA_PARALLEL in names and mesh.ndim > 1 else mesh
+
+
+def context_parallel_size(mesh: DeviceMesh | None) -> int:
+    """The ranks of ShardedStrategy's context-parallel dim (1 on a mesh without one)."""
+    return mesh[CONTEXT_PARALLEL].size() if mesh is not None and CONTEXT_PARALLEL in (mesh.mesh_dim_names or ()) else 1
 
 
 def tensor_parallel_size(mesh: DeviceMesh) -> int:
@@ -273,7 +284,7 @@ def gathered_numel(param: torch.Tensor) -> int:
         return param.numel()
     mesh, names = param.device_mesh, param.device_mesh.mesh_dim_names or ()
     split = [mesh.size(dim) for dim, placement in enumerate(param.placements)
-             if placement.is_shard() and names[dim : dim + 1] != (DATA_PARALLEL,)]  # fmt: skip
+             if placement.is_shard() and names[dim : dim + 1] not in ((DATA_PARALLEL,), (DATA_CONTEXT,))]  # fmt: skip
     return param.numel() // math.prod(split)
 
 

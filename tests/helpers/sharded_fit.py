@@ -28,6 +28,7 @@ from lit_packing.batch import attach_step
 from lit_packing.data.collate import PackedCollator
 from lit_packing.models import PackedCausalLM
 from lit_packing.models.materialize import deferred_weights
+from lit_packing.strategies import ShardedStrategy
 from tests.helpers import TINY_LLAMA, make_examples
 
 STEPS = 3
@@ -98,8 +99,11 @@ def full_weights(lm: PackedCausalLM) -> dict[str, torch.Tensor]:
 
 def main(settings: dict) -> None:
     devices, tp = settings.get("devices", 1), settings.get("tensor_parallel", 1)
-    kind, data_parallel = settings.get("strategy", "auto"), devices // tp
-    if kind == "fsdp2":
+    cp = settings.get("context_parallel", 1)
+    kind, data_parallel = settings.get("strategy", "auto"), devices // (tp * cp)
+    if kind == "fsdp2" and cp > 1:
+        strategy = ShardedStrategy(data_parallel_size=data_parallel, context_parallel_size=cp, tensor_parallel_size=tp)
+    elif kind == "fsdp2":
         strategy = ModelParallelStrategy(data_parallel_size=data_parallel, tensor_parallel_size=tp)
     else:
         strategy = kind
@@ -120,9 +124,9 @@ def main(settings: dict) -> None:
         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
     )  # fmt: skip
     # Each data-parallel rank's own micro-batches (no distributed sampler): data-parallel rank r trains micro-batches
-    # r and r + 2 of a step (all 4 with one). Lightning's mesh is (data, tensor) in row-major order: global rank g is
-    # data-parallel rank g // tp, and its tensor-parallel peers train the same micro-batches.
-    mine = micro_batches()[trainer.global_rank // tp :: data_parallel]
+    # r and r + 2 of a step (all 4 with one). The mesh is (data, context, tensor) in row-major order: global rank g
+    # is data-parallel rank g // (cp x tp), and its context- and tensor-parallel peers train the same micro-batches.
+    mine = micro_batches()[trainer.global_rank // (cp * tp) :: data_parallel]
     trainer.fit(lm, DataLoader(mine, batch_size=None, collate_fn=lambda b: b))
     weights = full_weights(lm)
     if trainer.is_global_zero:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from transformers import AutoModelForCausalLM
 
 from lit_packing.batch import StepShape
 from lit_packing.errors import ConfigError
@@ -255,9 +256,10 @@ def env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory) -> dict[str, dict]:
     """The same 3 optimizer steps, run at once: 1 process, 2-rank DDP, 2-rank FSDP2, 2 x 2 (data x tensor
-    parallel) on 4 ranks; LoRA with activation checkpointing on 1 process and FSDP2. FSDP2 builds on the meta
-    device and fills each rank's shards (the random init and the adapters' as one process makes them); 2 x 2
-    builds the model whole on every rank and shards it. Each run's {"losses", "grad_norms", "reduce_scatters",
+    parallel) on 4 ranks; LoRA with activation checkpointing on 1 process and FSDP2; context parallel on 2 ranks
+    (each pack split over both), and 2 x 2 data x context parallel with activation checkpointing. FSDP2 builds on
+    the meta device and fills each rank's shards (the random init and the adapters' as one process makes them);
+    2 x 2 builds the model whole on every rank and shards it. Each run's {"losses", "grad_norms", "reduce_scatters",
     "weights"}."""
     tmp = tmp_path_factory.mktemp("sharded")
     settings = {
@@ -267,6 +269,8 @@ def fits(tmp_path_factory) -> dict[str, dict]:
         "tp": {"devices": 4, "strategy": "fsdp2", "tensor_parallel": 2, "whole": True},
         "one_lora": {"devices": 1, "lora": LORA},
         "fsdp2_lora": {"devices": 2, "strategy": "fsdp2", "lora": LORA, "gradient_checkpointing": True},
+        "cp": {"devices": 2, "strategy": "fsdp2", "context_parallel": 2},
+        "dp_cp": {"devices": 4, "strategy": "fsdp2", "context_parallel": 2, "gradient_checkpointing": True},
     }
     running = {}
     for name, run in settings.items():
@@ -309,6 +313,22 @@ def test_2_by_2_data_and_tensor_parallel_trains_the_steps_of_ddp_and_of_fsdp2(fi
     assert [n * scale for n in tp["grad_norms"]] == pytest.approx(expected["grad_norms"], rel=NORM_RTOL)
     assert max_weight_diff(tp["weights"], expected["weights"]) < WEIGHT_ATOL
     assert tp["reduce_scatters"] == [3, 3, 3]  # over the data-parallel ranks: 2 layers + the root, once a step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run, other", [("cp", "one"), ("dp_cp", "ddp"), ("dp_cp", "fsdp2")])
+def test_context_parallel_trains_the_steps_of_one_process_and_2_by_2_those_of_ddp(fits, run, other):
+    """2 context-parallel ranks split every pack (1 data-parallel rank accumulating 4): one process's losses,
+    clipped gradient norms and weights; 2 x 2 data x context parallel (activation checkpointing on): 2-rank DDP's.
+    Every attention layer's key/value gradients are reduce-scattered over the context group once per micro-batch
+    (2 layers x the rank's micro-batches), FSDP2's gradients once per step (2 layers + the root)."""
+    cp, expected = fits[run], fits[other]
+    assert cp["losses"] == pytest.approx(expected["losses"], abs=LOSS_ATOL)
+    scale = 2**0.5 if other == "ddp" else 1.0
+    assert [n * scale for n in cp["grad_norms"]] == pytest.approx(expected["grad_norms"], rel=NORM_RTOL)
+    assert max_weight_diff(cp["weights"], expected["weights"]) < WEIGHT_ATOL
+    micro_batches = 4 if run == "cp" else 2
+    assert cp["reduce_scatters"] == [3 + 2 * micro_batches] * 3
 
 
 @pytest.mark.slow
@@ -387,6 +407,27 @@ def test_the_paper_config_with_the_fsdp2_delta_trains_the_ddp_runs_losses(tmp_pa
     assert len(fsdp2) == 4
     assert fsdp2 == pytest.approx(ddp, abs=LOSS_ATOL)
     assert logged_losses(tmp_path / "tp" / "version_0") == pytest.approx(ddp, abs=LOSS_ATOL)
+
+
+@pytest.mark.slow
+def test_the_paper_config_with_the_context_parallel_delta_trains_one_processs_losses_and_weights(tmp_path):
+    """`--config paper --config context_parallel --trainer.devices=2` on packs of 4,096 tokens: every pack split
+    over the 2 ranks, against the same packs in one process: the same losses, the exported weights within fp32's
+    rounding, the isolation self-test run on the dealt pack."""
+    packs = ("--data.sampler.init_args.max_tokens=4096",)
+    runs = {
+        "cp": cli_fit(tmp_path, "cp", "--config", "context_parallel",
+                      after=(*packs, f"--model.export_dir={tmp_path / 'cp.hf'}")),
+        "one": cli_fit(tmp_path, "one", "--config", "context_parallel", "--trainer.strategy=auto", devices=1,
+                       after=(*packs, f"--model.export_dir={tmp_path / 'one.hf'}")),
+    }  # fmt: skip
+    out = run_all(tmp_path, runs)
+    assert "context parallel: each pack's tokens split over 2 ranks" in out["cp"]
+    assert "isolation self-test passed" in out["cp"]
+    cp, one = logged_losses(tmp_path / "cp" / "version_0"), logged_losses(tmp_path / "one" / "version_0")
+    assert len(cp) == 4 and cp == pytest.approx(one, abs=LOSS_ATOL)
+    exported = [AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}.hf").state_dict() for name in ("cp", "one")]
+    assert max_weight_diff(*exported) < WEIGHT_ATOL
 
 
 @pytest.mark.slow

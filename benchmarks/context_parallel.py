@@ -1,0 +1,166 @@
+"""Context parallelism measured: how evenly the deal spreads CHAMP packs over the ranks, and what a rank holds and
+how long a step takes when one 16k-token pack is split over 1, 2 and 4 CPU ranks.
+
+    python -m benchmarks.context_parallel                   # both parts (a few minutes on CPU)
+    python -m benchmarks.context_parallel --part balance    # the spread alone (seconds)
+
+balance: CHAMP chats (SmolLM2's tokenizer, cut at 4,096 tokens) packed best-fit into packs of at most 16,384 tokens;
+for each pack and cp in 2, 4, 8, the most loaded rank's tokens and causal (query, key) pairs over the mean: dealt
+by `context.plan` (documents cut into 2 x cp chunks, head and tail to one rank), and cut into cp contiguous blocks
+(a plain sequence split, as a causal mask over the whole row would take).
+
+memory: SmolLM2-135M's architecture with 6 of its 30 layers (random weights, fp32, `per_example` attention), one
+training step on the first CHAMP pack of 16,384 tokens, on 1, 2 and 4 ranks over gloo, each in its own launch: per
+rank, the bytes autograd saves in the forward (the activations), the peak growth of resident memory during the
+step, and the step's seconds (2 CPU cores shared by the ranks: the ratio of memory is the point, not the speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+PACK_TOKENS = 16384
+SIZES = (1, 2, 4)
+LAYERS = 6
+
+
+def champ_packs(max_length: int = 4096, max_tokens: int = PACK_TOKENS) -> tuple[list[list[int]], list]:
+    """CHAMP's tokenized examples packed best-fit: the packs' example lengths, and the examples (token ids and
+    labels) of the first pack."""
+    from transformers import AutoTokenizer
+
+    from lit_packing.assets import resolve_pretrained
+    from lit_packing.data import ChampChats
+    from lit_packing.data.tokenize import tokenize_dataset
+    from lit_packing.samplers.best_fit import best_fit_packs
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained("smollm2", with_model=False))
+    tokenized, _ = tokenize_dataset(ChampChats().load(None), tokenizer, max_length=max_length)
+    lengths = np.array([len(ids) for ids in tokenized["input_ids"]])
+    items, offsets = best_fit_packs(lengths, max_tokens, None)
+    packs = [items[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+    first = [{"input_ids": tokenized[int(i)]["input_ids"], "labels": tokenized[int(i)]["labels"]} for i in packs[0]]
+    return [[int(lengths[i]) for i in pack] for pack in packs], first
+
+
+def contiguous_spread(cu: np.ndarray, size: int) -> tuple[float, float]:
+    """The pack cut into `size` equal blocks of the row: (tokens, pairs) of the most loaded over the mean."""
+    total = int(cu[-1])
+    edges = [total * r // size for r in range(size + 1)]
+    position = np.concatenate([np.arange(b - a) for a, b in zip(cu[:-1], cu[1:])]) + 1  # keys each query sees
+    pairs = np.array([position[a:b].sum() for a, b in zip(edges[:-1], edges[1:])], dtype=float)
+    tokens = np.diff(edges).astype(float)
+    return float(tokens.max() / tokens.mean()), float(pairs.max() / pairs.mean())
+
+
+def balance() -> None:
+    from lit_packing.models.context import spread
+
+    packs, _ = champ_packs()
+    print(f"{len(packs)} CHAMP packs of at most {PACK_TOKENS:,} tokens, {np.mean([len(p) for p in packs]):.1f} "
+          "documents each")  # fmt: skip
+    print(
+        "| cp | dealt: tokens max/mean (mean, worst) | dealt: pairs max/mean | contiguous: tokens | contiguous: pairs |"
+    )
+    print("|---|---|---|---|---|")
+    for size in (2, 4, 8):
+        dealt = np.array([spread(np.cumsum([0, *p]), size) for p in packs])
+        blocks = np.array([contiguous_spread(np.cumsum([0, *p]), size) for p in packs])
+        print(f"| {size} | {dealt[:, 0].mean():.4f}, {dealt[:, 0].max():.4f} | {dealt[:, 1].mean():.4f}, "
+              f"{dealt[:, 1].max():.4f} | {blocks[:, 0].mean():.4f} | {blocks[:, 1].mean():.3f}, "
+              f"{blocks[:, 1].max():.3f} |")  # fmt: skip
+
+
+def memory() -> None:
+    import torch.multiprocessing as mp
+
+    _, first = champ_packs()
+    rows = []
+    for size in SIZES:
+        with tempfile.TemporaryDirectory() as folder:
+            out = os.path.join(folder, "out.json")
+            mp.spawn(step_on_rank, args=(size, folder, first, out), nprocs=size, join=True)
+            with open(out) as file:
+                rows.append(json.load(file))
+    one = rows[0]
+    print(f"one training step on a pack of {rows[0]['tokens']:,} CHAMP tokens ({rows[0]['documents']} documents), "
+          f"SmolLM2-135M's architecture with {LAYERS} layers, fp32, per rank:")  # fmt: skip
+    print(
+        "| cp ranks | tokens per rank | saved activations (MiB) | x 1 rank | peak RSS growth (MiB) | x 1 rank | "
+        "step (s) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['size']} | {row['slots']:,} | {row['saved'] / 2**20:,.0f} | {row['saved'] / one['saved']:.2f} | "
+              f"{row['rss'] / 2**20:,.0f} | {row['rss'] / one['rss']:.2f} | {row['seconds']:.1f} |")  # fmt: skip
+
+
+def step_on_rank(rank: int, size: int, folder: str, examples: list, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.common import peak_memory, reset_peak_memory
+    from lit_packing.assets import resolve_pretrained
+    from lit_packing.batch import model_inputs
+    from lit_packing.data.collate import PackedCollator
+    from lit_packing.models.context import ContextGroup, deal
+    from lit_packing.models.head import head_inputs
+    from lit_packing.models.loss import causal_lm_loss
+    from lit_packing.models.pack import pack_model
+
+    torch.set_num_threads(max(1, 2 // size))
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=size)
+    config = AutoConfig.from_pretrained(resolve_pretrained("smollm2", with_model=False))
+    config.num_hidden_layers = LAYERS
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    pack_model(model, "per_example")
+    batch = PackedCollator()(examples)
+    local = deal(batch, ContextGroup(dist.group.WORLD, size, rank)) if size > 1 else batch
+    saved: dict[int, int] = {}
+
+    def keep(tensor):
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    cpu = torch.device("cpu")
+    dist.barrier()
+    reset_peak_memory(cpu)
+    before, start = peak_memory(cpu), time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        inputs = head_inputs(model, model_inputs(local))
+        loss = causal_lm_loss(inputs, local, "token").objective
+    loss.backward()
+    growth = (peak_memory(cpu) - before) * 2**30
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    worst = torch.tensor([float(sum(saved.values())), growth], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        with open(out, "w") as file:
+            json.dump({"size": size, "slots": int(local["input_ids"].shape[1]), "saved": worst[0].item(),
+                       "rss": worst[1].item(), "seconds": seconds, "tokens": int(batch["input_ids"].shape[1]),
+                       "documents": len(examples)}, file)  # fmt: skip
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("balance", "memory", "both"), default="both")
+    args = parser.parse_args(argv)
+    if args.part in ("balance", "both"):
+        balance()
+    if args.part in ("memory", "both"):
+        memory()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
