@@ -3,6 +3,7 @@ how long a step takes when one 16k-token pack is split over 1, 2 and 4 CPU ranks
 
     python -m benchmarks.context_parallel                   # both parts (a few minutes on CPU)
     python -m benchmarks.context_parallel --part balance    # the spread alone (seconds)
+    python -m benchmarks.context_parallel --part memory --device cuda --layers 30 --tokens 65536   # GPUs, NCCL
 
 balance: CHAMP chats (SmolLM2's tokenizer, cut at 4,096 tokens) packed best-fit into packs of at most 16,384 tokens;
 for each pack and cp in 2, 4, 8, the most loaded rank's tokens and causal (query, key) pairs over the mean: dealt
@@ -13,6 +14,8 @@ memory: SmolLM2-135M's architecture with 6 of its 30 layers (random weights, fp3
 training step on the first CHAMP pack of 16,384 tokens, on 1, 2 and 4 ranks over gloo, each in its own launch: per
 rank, the bytes autograd saves in the forward (the activations), the peak growth of resident memory during the
 step, and the step's seconds (2 CPU cores shared by the ranks: the ratio of memory is the point, not the speed).
+With `--device cuda`: 1, 2, 4, ... ranks up to the GPUs there are, one GPU each over NCCL, bf16-mixed, `torch_varlen`,
+the CHAMP pack repeated up to `--tokens`: peak allocated memory per rank and real tokens per second.
 """
 
 from __future__ import annotations
@@ -78,20 +81,27 @@ def balance() -> None:
               f"{blocks[:, 1].max():.3f} |")  # fmt: skip
 
 
-def memory() -> None:
+def memory(device: str, layers: int, tokens: int) -> None:
+    import torch
     import torch.multiprocessing as mp
 
     _, first = champ_packs()
+    while sum(len(x["input_ids"]) for x in first) * 2 <= tokens:  # a longer pack of the same documents
+        first = first + first
+    sizes = SIZES
+    if device == "cuda":
+        sizes = tuple(2**i for i in range(8) if 2**i <= torch.cuda.device_count())
     rows = []
-    for size in SIZES:
+    for size in sizes:
         with tempfile.TemporaryDirectory() as folder:
             out = os.path.join(folder, "out.json")
-            mp.spawn(step_on_rank, args=(size, folder, first, out), nprocs=size, join=True)
+            mp.spawn(step_on_rank, args=(size, folder, first, out, device, layers), nprocs=size, join=True)
             with open(out) as file:
                 rows.append(json.load(file))
     one = rows[0]
+    precision = "bf16-mixed, torch_varlen" if device == "cuda" else "fp32, per_example"
     print(f"one training step on a pack of {rows[0]['tokens']:,} CHAMP tokens ({rows[0]['documents']} documents), "
-          f"SmolLM2-135M's architecture with {LAYERS} layers, fp32, per rank:")  # fmt: skip
+          f"SmolLM2-135M's architecture with {layers} layers, {precision}, per rank:")  # fmt: skip
     print(
         "| cp ranks | tokens per rank | saved activations (MiB) | x 1 rank | peak RSS growth (MiB) | x 1 rank | "
         "step (s) |"
@@ -99,15 +109,16 @@ def memory() -> None:
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['size']} | {row['slots']:,} | {row['saved'] / 2**20:,.0f} | {row['saved'] / one['saved']:.2f} | "
-              f"{row['rss'] / 2**20:,.0f} | {row['rss'] / one['rss']:.2f} | {row['seconds']:.1f} |")  # fmt: skip
+              f"{row['rss'] / 2**20:,.0f} | {row['rss'] / one['rss']:.2f} | {row['seconds']:.1f} "
+              f"({row['tokens'] / row['seconds']:,.0f} tokens/s) |")  # fmt: skip
 
 
-def step_on_rank(rank: int, size: int, folder: str, examples: list, out: str) -> None:
+def step_on_rank(rank: int, size: int, folder: str, examples: list, out: str, device: str, layers: int) -> None:
     import torch
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from benchmarks.common import peak_memory, reset_peak_memory
+    from benchmarks.common import peak_memory, reset_peak_memory, synchronize
     from lit_packing.assets import resolve_pretrained
     from lit_packing.batch import model_inputs
     from lit_packing.data.collate import PackedCollator
@@ -116,14 +127,20 @@ def step_on_rank(rank: int, size: int, folder: str, examples: list, out: str) ->
     from lit_packing.models.loss import causal_lm_loss
     from lit_packing.models.pack import pack_model
 
-    torch.set_num_threads(max(1, 2 // size))
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=size)
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, 2 // size))
+    where = torch.device(f"cuda:{rank}" if cuda else "cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{folder}/store", rank=rank,
+                            world_size=size)  # fmt: skip
     config = AutoConfig.from_pretrained(resolve_pretrained("smollm2", with_model=False))
-    config.num_hidden_layers = LAYERS
+    config.num_hidden_layers = layers
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    pack_model(model, "per_example")
-    batch = PackedCollator()(examples)
+    model = AutoModelForCausalLM.from_config(config).to(where)
+    pack_model(model, "torch_varlen" if cuda else "per_example", where)
+    batch = {k: v.to(where) if torch.is_tensor(v) else v for k, v in PackedCollator()(examples).items()}
     local = deal(batch, ContextGroup(dist.group.WORLD, size, rank)) if size > 1 else batch
     saved: dict[int, int] = {}
 
@@ -131,15 +148,16 @@ def step_on_rank(rank: int, size: int, folder: str, examples: list, out: str) ->
         saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return tensor
 
-    cpu = torch.device("cpu")
     dist.barrier()
-    reset_peak_memory(cpu)
-    before, start = peak_memory(cpu), time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+    reset_peak_memory(where)
+    before, start = peak_memory(where), time.perf_counter()
+    autocast = torch.autocast(where.type, dtype=torch.bfloat16, enabled=cuda)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor), autocast:
         inputs = head_inputs(model, model_inputs(local))
         loss = causal_lm_loss(inputs, local, "token").objective
     loss.backward()
-    growth = (peak_memory(cpu) - before) * 2**30
+    synchronize(where)
+    growth = (peak_memory(where) - before) * 2**30
     dist.barrier()
     seconds = time.perf_counter() - start
     worst = torch.tensor([float(sum(saved.values())), growth], dtype=torch.float64)
@@ -155,11 +173,14 @@ def step_on_rank(rank: int, size: int, folder: str, examples: list, out: str) ->
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("balance", "memory", "both"), default="both")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="decoder layers of SmolLM2's architecture")
+    parser.add_argument("--tokens", type=int, default=PACK_TOKENS, help="the pack: CHAMP's first, repeated to this")
     args = parser.parse_args(argv)
     if args.part in ("balance", "both"):
         balance()
     if args.part in ("memory", "both"):
-        memory()
+        memory(args.device, args.layers, args.tokens)
 
 
 if __name__ == "__main__":

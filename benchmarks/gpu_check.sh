@@ -22,6 +22,9 @@
 #    beside torch_varlen (python -m benchmarks.attention_throughput --family ...), bf16.
 # 6. sharded (<= 2 x 45 s): SmolLM2-135M on CHAMP chats through the CLI (configs/gpu.yaml, 8 steps) on every GPU of
 #    the machine, DDP then FSDP2 (configs/fsdp2.yaml, NCCL): the fit summaries' peak memory per rank side by side.
+# 7. context parallel (<= 60 s, 2 or more GPUs): one training step of SmolLM2-135M's architecture on a 65,536-token
+#    pack of CHAMP chats split over 1, 2, 4, ... GPUs (NCCL, bf16-mixed, torch_varlen): peak memory per rank and
+#    tokens/s side by side (python -m benchmarks.context_parallel --part memory --device cuda).
 # Every part is capped by what is left of BUDGET seconds (default 450: the script ends within 8 minutes), and a
 # part with under 20 s left is skipped.
 #
@@ -116,6 +119,13 @@ part 45 "sharded: DDP on $GPUS GPU(s), SmolLM2-135M, bf16-mixed, 8 steps (peak m
   "$PYTHON" "${SHARDED_FIT[@]}" --trainer.strategy=ddp
 part 45 "sharded: FSDP2 over $GPUS GPU(s), the same run (peak memory per rank in the summary, against DDP's)" \
   "$PYTHON" "${SHARDED_FIT[@]}" --config configs/fsdp2.yaml --trainer.strategy.init_args.data_parallel_size="$GPUS"
+
+if (( GPUS > 1 )); then
+  part 60 "context parallel: a 65,536-token pack over 1..$GPUS GPU(s), peak memory per rank and tokens/s" \
+    "$PYTHON" -m benchmarks.context_parallel --part memory --device cuda --layers 30 --tokens 65536
+else
+  echo "(skipped: context parallel, one GPU here: it splits a pack over 2 or more)"
+fi
 
 echo "== done in ${SECONDS}s; results under $RESULTS/bench_gpu*"
 exit $status

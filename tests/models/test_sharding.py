@@ -460,11 +460,13 @@ def test_dpo_sharded_trains_the_ddp_runs_losses_with_either_reference(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_9_of_a_sharded_run_then_resume_is_exact_and_exports_one_folder(tmp_path, tiny_llama_config):
+@pytest.mark.parametrize("parallel", ["data", "context"])
+def test_kill_9_of_a_sharded_run_then_resume_is_exact_and_exports_one_folder(tmp_path, tiny_llama_config, parallel):
     """2 FSDP2 ranks (2 loader workers each, accumulation 2) SIGKILLed after the distributed checkpoint of step 4
     (mid-epoch), resumed from that folder to step 6: every rank trains the batches the run left alone trained, and
     both end with the same weights, each written as one Hugging Face folder; `lit-packing export` converts the
-    last distributed checkpoint into the same weights."""
+    last distributed checkpoint into the same weights. `context`: the 2 ranks are one context-parallel group
+    (every pack split over both, so twice the steps an epoch: step 6 is still in the first)."""
     from safetensors.torch import load_file
 
     from tests.cli.test_resume import RECORDER, env, fit_args, records
@@ -474,8 +476,11 @@ def test_kill_9_of_a_sharded_run_then_resume_is_exact_and_exports_one_folder(tmp
 
     def args(name: str, *extra: str) -> list[str]:
         sharded = ("configs/quickstart.yaml", "configs/fsdp2.yaml")
+        context = ("--trainer.strategy.class_path=lit_packing.strategies.ShardedStrategy",
+                   "--trainer.strategy.init_args.data_parallel_size=1",
+                   "--trainer.strategy.init_args.context_parallel_size=2") if parallel == "context" else ()  # fmt: skip
         return [*fit_args(tmp_path, tiny_llama_config, name, sharded, delay=0.3 if name == "killed" else 0.0),
-                "--trainer.devices=2", "--trainer.max_steps=6",
+                "--trainer.devices=2", "--trainer.max_steps=6", *context,
                 f"--model.export_dir={tmp_path / name / 'export'}", *extra]  # fmt: skip
 
     alone = subprocess.run(args("alone"), **run)
@@ -496,7 +501,8 @@ def test_kill_9_of_a_sharded_run_then_resume_is_exact_and_exports_one_folder(tmp
     for rank in (0, 1):
         uninterrupted = records(tmp_path / f"alone.jsonl.rank{rank}")
         before = [r for r in records(tmp_path / f"killed.jsonl.rank{rank}") if r["step"] < 4]
-        assert {r["epoch"] for r in uninterrupted} == {0, 1}  # step 4 is mid-epoch 0 (5 steps), step 6 in epoch 1
+        # Step 4 is mid-epoch 0 (5 steps), step 6 in epoch 1; split over context ranks, an epoch is 10 steps.
+        assert {r["epoch"] for r in uninterrupted} == ({0, 1} if parallel == "data" else {0})
         assert any(r["step"] >= 4 for r in records(tmp_path / f"killed.jsonl.rank{rank}"))  # lost, to be redone
         assert [r["rows"] for r in before + records(tmp_path / f"resumed.jsonl.rank{rank}")] == [
             r["rows"] for r in uninterrupted
