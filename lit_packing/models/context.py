@@ -87,8 +87,9 @@ def plan(cu: list[int] | np.ndarray, size: int) -> list[list[tuple[int, int, int
     stop) in the pack's order: a document of 2 x `size` tokens or more cut into 2 x `size` chunks, rank r taking
     chunks r and 2 x `size` - 1 - r; a shorter one whole to the rank with the fewest tokens so far.
 
-    >>> plan([0, 8, 9], 2)     # 8 tokens in chunks of 2: rank 0 the first and last, rank 1 the middle two
-    [[(0, 0, 2), (0, 6, 8)], [(0, 2, 4), (0, 4, 6), (8, 8, 9)]]
+    >>> plan([0, 8, 9], 2)     # 8 tokens in chunks of 2: rank 0 the first and last, rank 1 the middle two;
+    ... # then 1 token whole, to the lowest of the ranks holding the fewest (both hold 4: rank 0)
+    [[(0, 0, 2), (0, 6, 8), (8, 8, 9)], [(0, 2, 4), (0, 4, 6)]]
     """
     pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(size)]
     held = [0] * size
