@@ -29,12 +29,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from lit_packing._compat import model_parallel_sizes, set_model_parallel
 from lit_packing.checkpoint_io import PARTIAL_SUFFIX, hidden, is_local, remove, replace_folder
 from lit_packing.errors import ConfigError
+from lit_packing.models.context import CP_SIZE_SETTING
 
 LIGHTNING_MODEL_PARALLEL = "lightning.pytorch.strategies.ModelParallelStrategy"
 
 
 MESH_DIMS = ("data_parallel", "context_parallel", "tensor_parallel")
-CP_SIZE_SETTING = "trainer.strategy.init_args.context_parallel_size"
 
 
 class ShardedStrategy(ModelParallelStrategy):

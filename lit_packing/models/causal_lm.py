@@ -27,7 +27,7 @@ from lit_packing.batch import LABELS, ROWS, StepShape, is_packed, model_inputs
 from lit_packing.contract import DataContract, DataModelConnection, ModelContract
 from lit_packing.cost import model_shape
 from lit_packing.models.backends import AttnBackend, VarlenImpl, activation_dtype
-from lit_packing.models.context import ContextGroup, check_context_parallel, check_dealable, deal
+from lit_packing.models.context import ContextGroup, check_dealable, context_group, deal
 from lit_packing.models.export import export_model, export_sharded, pretrained_tokenizer
 from lit_packing.models.guard import check_packed_batch
 from lit_packing.models.head import head_inputs
@@ -67,14 +67,7 @@ from lit_packing.models.preference import (
 )
 from lit_packing.models.reference import CHECKPOINT_KEY, PrecomputedReference, weights_fingerprint
 from lit_packing.models.selftest import check_isolation
-from lit_packing.models.sharding import (
-    CONTEXT_PARALLEL,
-    clip_grad_norm,
-    context_parallel_size,
-    is_sharded,
-    shard_count,
-    sync_gradients,
-)
+from lit_packing.models.sharding import clip_grad_norm, is_sharded, shard_count, sync_gradients
 from lit_packing.models.weights import check_checkpoint_weights, check_token_ids, describe_model
 
 log = logging.getLogger(__name__)
@@ -283,13 +276,8 @@ class PackedCausalLM(LightningModule):
             self._place_backend(self.trainer.strategy.root_device)
             if self.precomputed is not None:
                 self.precomputed.initial_weights = self.trainer.strategy.broadcast(weights_fingerprint(self.model))
-        if mesh is not None and (cp := context_parallel_size(mesh)) > 1:
-            check_context_parallel(cp, self.hf_model, self.packing.needs.position_bias, self.hparams)
-            ranks = mesh[CONTEXT_PARALLEL]
-            self.context = ContextGroup(ranks.get_group(), cp, ranks.get_local_rank())
-            if self.trainer.is_global_zero:
-                log.info("context parallel: each pack's tokens split over %d ranks, keys and values all-gathered in "
-                         "every attention layer", cp)  # fmt: skip
+        if mesh is not None:
+            self.context = context_group(mesh, self.hf_model, self.packing.needs.position_bias, self.hparams)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint of another model in one line, before Lightning loads its weights (a size mismatch

@@ -23,6 +23,7 @@ the optimizer step's label count, as without context parallelism: the losses and
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,7 @@ from lit_packing.batch import (
 from lit_packing.errors import ConfigError
 
 CP_SIZE_SETTING = "trainer.strategy.init_args.context_parallel_size"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,22 @@ def gather_tokens(key: torch.Tensor, value: torch.Tensor, context: ContextGroup)
         both = _GatherTokens.apply(torch.cat([key, value], dim=1), context.group)
         return both[:, : key.shape[1]], both[:, key.shape[1] :]
     return _GatherTokens.apply(key, context.group), _GatherTokens.apply(value, context.group)
+
+
+def context_group(mesh: Any, model: torch.nn.Module, position_bias: bool, settings: Mapping[str, Any]):
+    """This rank's `ContextGroup` on a device mesh with a context-parallel dim of several ranks (checked by
+    `check_context_parallel` first, said once in the log), else None."""
+    from lit_packing.models.sharding import CONTEXT_PARALLEL, context_parallel_size
+
+    size = context_parallel_size(mesh)
+    if size <= 1:
+        return None
+    check_context_parallel(size, model, position_bias, settings)
+    ranks = mesh[CONTEXT_PARALLEL]
+    if dist.get_rank() == 0:
+        log.info("context parallel: each pack's tokens split over %d ranks, keys and values all-gathered in every "
+                 "attention layer", size)  # fmt: skip
+    return ContextGroup(ranks.get_group(), size, ranks.get_local_rank())
 
 
 def check_context_parallel(size: int, model: torch.nn.Module, position_bias: bool, settings: Mapping[str, Any]) -> None:
