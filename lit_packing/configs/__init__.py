@@ -25,6 +25,7 @@ DELTAS: dict[str, str] = {
     "bestfit_packing": "paper",
     "multipack": "paper",
     "fsdp2": "paper",
+    "context_parallel": "paper",
     "multinode": "gpu",
 }
 _NAME = re.compile(r"[\w.-]+")  # a bare name; anything else (a path, an inline YAML string) is left to jsonargparse

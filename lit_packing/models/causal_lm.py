@@ -28,7 +28,7 @@ from lit_packing.contract import DataContract, DataModelConnection, ModelContrac
 from lit_packing.cost import model_shape
 from lit_packing.models.backends import AttnBackend, VarlenImpl, activation_dtype
 from lit_packing.models.context import ContextGroup, check_dealable, context_group, deal
-from lit_packing.models.export import export_model, export_sharded, pretrained_tokenizer
+from lit_packing.models.export import export_lm
 from lit_packing.models.guard import check_packed_batch
 from lit_packing.models.head import head_inputs
 from lit_packing.models.loading import (
@@ -65,7 +65,7 @@ from lit_packing.models.preference import (
     preference_metrics,
     preference_settings,
 )
-from lit_packing.models.reference import CHECKPOINT_KEY, PrecomputedReference, weights_fingerprint
+from lit_packing.models.reference import CHECKPOINT_KEY, PrecomputedReference, reference_logps, weights_fingerprint
 from lit_packing.models.selftest import check_isolation
 from lit_packing.models.sharding import clip_grad_norm, is_sharded, shard_count, sync_gradients
 from lit_packing.models.weights import check_checkpoint_weights, check_token_ids, describe_model
@@ -182,7 +182,7 @@ class PackedCausalLM(LightningModule):
             needs = self.preference is not None and self.preference.needs_reference
             # reference=copy: the initial model, frozen, held outside the module tree (not trained, not saved in
             # checkpoints), placed on the trainer's device at fit start (sharded like the policy when it is).
-            self.model, self.packing, self._reference = build_models(self.hparams, self._deferred,
+            self.model, self.packing, self.frozen_copies = build_models(self.hparams, self._deferred,
                                                                       needs and reference == "copy")  # fmt: skip
             # reference=precomputed: tables computed or read at fit start, keyed by the initial weights' identity.
             self.precomputed = PrecomputedReference(name_or_path) if needs and reference == "precomputed" else None
@@ -267,11 +267,11 @@ class PackedCausalLM(LightningModule):
         if is_sharded(self.model) or (mesh is None and not is_meta(self.model)):
             return
         if mesh is not None:  # a copy built whole stays whole
-            models = [self.model, *(self._reference if self._deferred else [])]
+            models = [self.model, *(self.frozen_copies if self._deferred else [])]
             broadcast = self.hparams.model_config is not None and not self._deferred
             shard_models(models, mesh, lambda: str(self.trainer.precision), broadcast_init=broadcast)
         if is_meta(self.model):
-            self.packing = fill_models(self.hparams, [self.model, *self._reference], self.trainer.strategy,
+            self.packing = fill_models(self.hparams, [self.model, *self.frozen_copies], self.trainer.strategy,
                                        self._init_seed)  # fmt: skip
             self._place_backend(self.trainer.strategy.root_device)
             if self.precomputed is not None:
@@ -300,7 +300,7 @@ class PackedCausalLM(LightningModule):
     def on_fit_start(self) -> None:
         self.packing.route_mixers(self.model)  # on the trainer's device now: the probe decides any kernel route
         dtype = next(self.model.parameters()).dtype  # the precision plugin's (64-true converts the policy)
-        for reference in self._reference:  # a packed model like the policy, on its device (a deferred one: already)
+        for reference in self.frozen_copies:  # a packed model like the policy, on its device (a deferred one: already)
             if self._deferred:
                 reference.to(dtype=dtype)
             else:
@@ -411,19 +411,7 @@ class PackedCausalLM(LightningModule):
         """The preference objective's parts of a batch: the policy's log-probs against the reference's, read from
         the precomputed table, or computed by the frozen copy or the model with its adapter off."""
         policy = pair_logps(self.loss_outputs(batch), batch)
-        reference = None
-        if self.precomputed is not None:
-            reference = self.precomputed.lookup(stage, batch.get(ROWS, []), policy)
-        elif self.preference.needs_reference:
-            with torch.no_grad():
-                if self._reference:
-                    impl = "liger" if self.hparams.loss_impl == "liger" else "chunked"
-                    reference = pair_logps(head_inputs(self._reference[0], batch, self.hparams.loss_chunk_size,
-                                                       impl), batch)  # fmt: skip
-                else:  # reference=lora: the base model, its adapter off
-                    with self.model.disable_adapter():
-                        reference = pair_logps(self.loss_outputs(batch), batch)
-        return preference_loss(policy, reference, self.preference)
+        return preference_loss(policy, reference_logps(self, batch, stage, policy), self.preference)
 
     def _step_normalizer(self, batch: Mapping[str, Any], parts) -> int | torch.Tensor:
         """The optimizer step's global label tokens (or sequences, or pairs): from the batch, else this
@@ -500,16 +488,11 @@ class PackedCausalLM(LightningModule):
             self.export(self.hparams.export_dir)
 
     def export(self, path: str) -> None:
-        """Write the model as a Hugging Face folder (LoRA: the adapters) with the tokenizer when one is known;
-        sharded, a collective that no rank holds the whole model in (`export.export_sharded`). Non-finite weights
-        are refused (`TrainingError`) before anything is written."""
-        tokenizer = self._data.tokenizer if self._data is not None else None
-        if tokenizer is None and self.hparams.model_config is None:
-            tokenizer = pretrained_tokenizer(self.hparams.name_or_path)
-        if is_sharded(self.model):
-            export_sharded(self.model, path, tokenizer)
-        elif (trainer := attached_trainer(self)) is None or trainer.is_global_zero:
-            export_model(self.model, path, tokenizer)
+        """Write the model as a Hugging Face folder (LoRA: the adapters) with the tokenizer (`export.export_lm`);
+        sharded, a collective that no rank holds the whole model in."""
+        trainer, tokenizer = attached_trainer(self), self._data.tokenizer if self._data is not None else None
+        pretrained = self.hparams.name_or_path if self.hparams.model_config is None else None
+        export_lm(self.model, path, tokenizer, pretrained, writer=trainer is None or trainer.is_global_zero)
 
 
 def _accumulator_dtype(device: torch.device) -> torch.dtype:

@@ -28,6 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lit_packing.errors import TrainingError
+from lit_packing.models.sharding import is_sharded
 from lit_packing.models.weights import apply_umask, check_finite_weights
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,19 @@ def export_model(model: torch.nn.Module, path: str, tokenizer=None, state_dict=N
     check_finite_weights(model, path, state_dict)
     model.save_pretrained(path, **({} if state_dict is None else {"state_dict": state_dict}))
     finish_folder(path, tokenizer)
+
+
+def export_lm(model: torch.nn.Module, path: str, tokenizer, pretrained: str | None, writer: bool) -> None:
+    """Write a trained model as a Hugging Face folder (LoRA: the adapters) with `tokenizer`, else the `pretrained`
+    model's (its name or folder) when there is one: sharded, a collective that no rank holds the whole model in
+    (`export_sharded`); else the `writer` rank (rank 0) writes it. Non-finite weights are refused (`TrainingError`)
+    before anything is written."""
+    if tokenizer is None and pretrained is not None:
+        tokenizer = pretrained_tokenizer(pretrained)
+    if is_sharded(model):
+        export_sharded(model, path, tokenizer)
+    elif writer:
+        export_model(model, path, tokenizer)
 
 
 def export_sharded(model: torch.nn.Module, path: str, tokenizer=None, file_bytes: int = EXPORT_FILE_BYTES) -> None:

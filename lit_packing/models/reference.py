@@ -22,14 +22,16 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from lit_packing.batch import ROWS
 from lit_packing.errors import ConfigError, DataError
+from lit_packing.models.head import head_inputs
 from lit_packing.models.preference import PairLogps, pair_logps
 from lit_packing.models.sharding import local_tensor, reshard
 from lit_packing.text import count
@@ -261,6 +263,22 @@ class PrecomputedReference:
                 write_table(table, path)
         self.tables[split.fingerprint] = table
         return table, where
+
+
+def reference_logps(lm, batch: Mapping[str, Any], stage: str, policy: PairLogps) -> PairLogps | None:
+    """The reference log-probs of a batch's pairs for `lm`'s preference objective (`PackedCausalLM`): read from the
+    precomputed table, or computed by the frozen copy (`copy`) or the model with its adapter off (`lora`); None for
+    an objective without a reference (simpo, orpo)."""
+    if lm.precomputed is not None:
+        return lm.precomputed.lookup(stage, batch.get(ROWS, []), policy)
+    if not lm.preference.needs_reference:
+        return None
+    with torch.no_grad():
+        if lm.frozen_copies:
+            impl = "liger" if lm.hparams.loss_impl == "liger" else "chunked"
+            return pair_logps(head_inputs(lm.frozen_copies[0], batch, lm.hparams.loss_chunk_size, impl), batch)
+        with lm.model.disable_adapter():  # reference=lora: the base model, its adapter off
+            return pair_logps(lm.loss_outputs(batch), batch)
 
 
 def compute_table(lm, split, stage: str) -> ReferenceTable:

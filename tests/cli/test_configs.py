@@ -17,8 +17,15 @@ ROOT = Path(__file__).parents[2]
 COMPOSITIONS = [composition(name) for name in names()]  # [quickstart.yaml], [paper.yaml, padding.yaml], ...
 # What the paper's variants may differ in (the header of paper.yaml says so); everything else is paper.yaml's.
 VARIANT_KEYS = ("data.sampler", "data.collator", "data.val_sampler", "data.val_collator", "data.max_length")
-# Deltas on the paper's run that change how it is distributed, not what it trains: the strategy and nothing else.
-SCALING = {"fsdp2": "trainer.strategy"}
+# Deltas on the paper's run that change how it is distributed: the settings each may change, and what makes it one
+# rank for the in-process run (the 2-rank runs are tests/models/test_sharding.py's).
+SCALING = {
+    "fsdp2": (("trainer.strategy",), ["--trainer.strategy.init_args.data_parallel_size=1"]),
+    "context_parallel": (
+        ("trainer.strategy", "data.sampler", "data.collator", "data.max_length"),
+        ["--trainer.strategy.init_args.data_parallel_size=1", "--trainer.strategy.init_args.context_parallel_size=1"],
+    ),
+}
 
 
 def tiny_overrides(tmp_path: Path) -> list[str]:
@@ -93,7 +100,7 @@ CONFIG_RUNS = [
 def test_config_fits_with_fast_dev_run(files, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     configs = [arg for f in files for arg in ("--config", str(f))]
-    one_rank = ["--trainer.strategy.init_args.data_parallel_size=1"] if files[-1].stem in SCALING else []
+    one_rank = SCALING[files[-1].stem][1] if files[-1].stem in SCALING else []
     overrides = tiny_overrides(tmp_path)
     if files[-1].stem == "dpo":  # a pair is never cut: at 512 tokens too few CHAMP pairs are left for two steps
         overrides.remove("--data.max_length=512")
@@ -117,7 +124,7 @@ def test_paper_variants_differ_only_in_their_sampler_collator_and_length(capsys)
         variant = leaves(resolved(["--config", "paper", "--config", delta], capsys))
         changed = {key for key in paper.keys() | variant.keys() if paper.get(key) != variant.get(key)}
         assert changed, delta
-        allowed = (SCALING[delta],) if delta in SCALING else VARIANT_KEYS
+        allowed = SCALING[delta][0] if delta in SCALING else VARIANT_KEYS
         assert all(key.startswith(allowed) for key in changed), (delta, sorted(changed))
 
 

@@ -126,7 +126,7 @@ def test_the_lora_reference_is_the_frozen_copy_at_the_start():
         copied = make_lm(objective="dpo", lora=lora, reference="copy")
         from lit_packing.models.head import head_inputs
 
-        via_copy = pair_logps(head_inputs(copied._reference[0], batch), batch)
+        via_copy = pair_logps(head_inputs(copied.frozen_copies[0], batch), batch)
         adapted = make_lm(objective="dpo", lora=lora, reference="lora")
         with adapted.model.disable_adapter():
             via_lora = pair_logps(adapted.head_inputs(batch), batch)
@@ -135,9 +135,9 @@ def test_the_lora_reference_is_the_frozen_copy_at_the_start():
 
 
 def test_only_the_copy_reference_keeps_a_second_model():
-    assert make_lm(objective="simpo")._reference == [] and make_lm(objective="orpo")._reference == []
-    assert make_lm(objective="dpo")._reference == [] and make_lm(objective="ipo")._reference == []  # precomputed
-    assert len(make_lm(objective="dpo", reference="copy")._reference) == 1
+    assert make_lm(objective="simpo").frozen_copies == [] and make_lm(objective="orpo").frozen_copies == []
+    assert make_lm(objective="dpo").frozen_copies == [] and make_lm(objective="ipo").frozen_copies == []  # precomputed
+    assert len(make_lm(objective="dpo", reference="copy").frozen_copies) == 1
 
 
 @pytest.mark.parametrize("lora", [None, LORA], ids=["copy", "lora"])
@@ -158,7 +158,7 @@ def test_the_precomputed_reference_equals_the_copy_and_the_lora_reference(tmp_pa
     seen = 0
     for batch in data.train_dataloader():
         with torch.no_grad(), start.model.disable_adapter() if lora else torch.enable_grad():
-            outputs = start.head_inputs(batch) if lora else head_inputs(start._reference[0], batch)
+            outputs = start.head_inputs(batch) if lora else head_inputs(start.frozen_copies[0], batch)
             want = pair_logps(outputs, batch)
         got = table.lookup(batch[ROWS], want, where)
         torch.testing.assert_close(got.chosen, want.chosen, rtol=1e-5, atol=1e-4)
