@@ -21,7 +21,7 @@ settings); reading, loading and everything else are Lightning's.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.device_mesh import init_device_mesh
@@ -46,12 +46,17 @@ class ShardedStrategy(ModelParallelStrategy):
         context_parallel_size: ranks that train one pack together, each its share of the tokens (1: none).
         tensor_parallel_size: ranks that split each layer's heads and MLP columns (`auto`: Lightning's, or 1
             with context parallelism).
+        cpu_offload: keep the sharded parameters, gradients and AdamW state in host memory between uses (FSDP2's
+            `CPUOffloadPolicy`): device memory for what a step gathers and computes, at the cost of host-device
+            copies every step and an optimizer step on the host.
         **kwargs: `ModelParallelStrategy`'s.
     """
 
-    def __init__(self, data_parallel_size="auto", tensor_parallel_size="auto", context_parallel_size: int = 1,
-                 **kwargs: Any) -> None:  # fmt: skip
+    def __init__(self, data_parallel_size: Literal["auto"] | int = "auto",
+                 tensor_parallel_size: Literal["auto"] | int = "auto", context_parallel_size: int = 1,
+                 cpu_offload: bool = False, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **kwargs)
+        self.cpu_offload = cpu_offload
         if not isinstance(context_parallel_size, int) or context_parallel_size < 1:
             raise ConfigError(CP_SIZE_SETTING, f"{context_parallel_size!r} is not a number of ranks",
                               "set it to 1 or more")  # fmt: skip

@@ -269,7 +269,8 @@ class PackedCausalLM(LightningModule):
         if mesh is not None:  # a copy built whole stays whole
             models = [self.model, *(self.frozen_copies if self._deferred else [])]
             broadcast = self.hparams.model_config is not None and not self._deferred
-            shard_models(models, mesh, lambda: str(self.trainer.precision), broadcast_init=broadcast)
+            offload = getattr(getattr(self._trainer, "strategy", None), "cpu_offload", False)  # ShardedStrategy's
+            shard_models(models, mesh, lambda: str(self.trainer.precision), broadcast, offload)
         if is_meta(self.model):
             self.packing = fill_models(self.hparams, [self.model, *self.frozen_copies], self.trainer.strategy,
                                        self._init_seed)  # fmt: skip

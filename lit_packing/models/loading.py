@@ -301,10 +301,12 @@ def build_models(hp, deferred: bool, copy_reference: bool) -> Built:
     return Built(model, packing, references)
 
 
-def shard_models(models: list[torch.nn.Module], mesh, precision: Callable[[], str], broadcast_init: bool) -> None:
+def shard_models(
+    models: list[torch.nn.Module], mesh, precision: Callable[[], str], broadcast_init: bool, cpu_offload: bool = False
+) -> None:
     """Split every model over Lightning's mesh (`sharding.shard_model`), saying so in one line; `precision`: the
     trainer's, asked once the plan is checked; `broadcast_init`: a random init built whole is rank 0's on every
-    rank first (as DDP does at wrap)."""
+    rank first (as DDP does at wrap); `cpu_offload`: the shards kept in host memory (`ShardedStrategy`'s)."""
     tp = tensor_parallel_size(mesh)
     if tp > 1:
         tensor_parallel_plan(models[0], tp)  # refused before any collective
@@ -313,11 +315,12 @@ def shard_models(models: list[torch.nn.Module], mesh, precision: Callable[[], st
             for tensor in [*models[0].parameters(), *models[0].buffers()]:
                 torch.distributed.broadcast(tensor.data, src=0)
     for model in models:
-        plan = shard_model(model, mesh, precision())
+        plan = shard_model(model, mesh, precision(), cpu_offload=cpu_offload)
     log.info(
-        "FSDP2: %d %s layers and the root sharded over %d data-parallel ranks%s",
+        "FSDP2: %d %s layers and the root sharded over %d data-parallel ranks%s%s",
         len(plan.layers), plan.layer_class, data_parallel_mesh(mesh).size(),
         f", attention heads and MLP columns split over {tp} tensor-parallel ranks" if tp > 1 else "",
+        "; parameters, gradients and optimizer state kept in host memory (cpu_offload)" if cpu_offload else "",
     )  # fmt: skip
 
 

@@ -17,7 +17,8 @@ largest step.
 Gradient checkpointing keeps each layer's input plus one recomputed layer instead. Sharded with FSDP2, parameters,
 gradients and AdamW's states count this rank's shard only (1/N of each over N data-parallel ranks), plus what is
 gathered whole at once: the root's parameters and two decoder layers' (`sharding.gathered_parameter_bytes`); the
-start-up line says so. Context parallel over cp ranks, a rank's activations are those of its 1/cp of the pack's
+start-up line says so; with `cpu_offload` on a GPU, the shards in host memory are not counted on the device (not
+measured on a GPU yet). Context parallel over cp ranks, a rank's activations are those of its 1/cp of the pack's
 tokens and causal pairs, plus the keys and values each layer gathers (about the whole pack's), and so are
 `max_tokens: auto`'s.
 
@@ -376,8 +377,9 @@ def memory_model(lm: Any, precision: str, padded: bool) -> MemoryModel:
     config = hf.config.get_text_config()
     device = lm.device
     shards = lm.shard_count
-    # Sharded, each rank holds its shard of every parameter, gradient and optimizer state (`local_tensor`).
-    trainable = [local_tensor(p) for p in lm.parameters() if p.requires_grad]
+    # Sharded, each rank holds its shard of every parameter, gradient and optimizer state (`local_tensor`); shards
+    # kept in host memory (`cpu_offload`) on a GPU are not the device's, nor are their gradients and states.
+    trainable = [t for p in lm.parameters() if p.requires_grad and (t := local_tensor(p)).device.type == device.type]
     grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
     mixed = "mixed" in str(precision)
     half = 2 if mixed else 0

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
@@ -144,8 +144,9 @@ def tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> dict[str, Pa
 
 
 def shard_model(
-    model: torch.nn.Module, mesh: DeviceMesh, precision: str, reshard_after_forward: bool = True
-) -> ShardPlan:
+    model: torch.nn.Module, mesh: DeviceMesh, precision: str, reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> ShardPlan:  # fmt: skip
     """With several tensor-parallel ranks in `mesh`, split `model` over them (`tensor_parallel`); then
     `fully_shard` every decoder layer of `model` (`shard_plan`), then the root, over `mesh`'s data-parallel
     dim, in place; gradients reduced as a sum (see the module docstring). Returns the plan it applied.
@@ -158,22 +159,26 @@ def shard_model(
         reshard_after_forward: free each decoder layer's gathered parameters after its forward (gathered again
             in the backward): memory of one layer's parameters at a time instead of all of them, for one more
             all-gather per layer.
+        cpu_offload: keep the sharded parameters, their gradients and so the optimizer state in host memory
+            (FSDP2's `CPUOffloadPolicy`): each group's parameters are copied to the device for its forward and
+            backward, its gradients back after the reduce-scatter, and the optimizer steps on the host. Pinned
+            memory where there is a CUDA device; on CPU ranks everything is host memory already.
     """
     plan = shard_plan(model)
     if tensor_parallel_size(mesh) > 1:
         tensor_parallel(model, mesh[TENSOR_PARALLEL])
     dp_mesh = data_parallel_mesh(mesh)
     policy = mixed_precision_policy(precision)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     base = _base(model)
     for name in plan.layers:
-        fully_shard(
-            base.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy
-        )
+        fully_shard(base.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=policy, offload_policy=offload)  # fmt: skip
     # The root is left to FSDP2's own rule (None: kept gathered from its forward to its backward), so that the LM
     # head the chunked loss runs after the forward (`head.head_inputs`) holds its whole weight. It is the
     # transformers model, inside a peft model's wrappers, so that a forward of the transformers model alone (the
     # construction probe, `head.head_inputs`) gathers it too.
-    fully_shard(base, mesh=dp_mesh, reshard_after_forward=None, mp_policy=policy)
+    fully_shard(base, mesh=dp_mesh, reshard_after_forward=None, mp_policy=policy, offload_policy=offload)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

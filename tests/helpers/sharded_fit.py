@@ -6,8 +6,8 @@ Every run trains the same micro-batches (`micro_batches`): `STEPS` optimizer ste
 second and fourth of a step much longer than the first and third, so that with 2 ranks (rank 0 trains the first and
 third, rank 1 the second and fourth; accumulation 2) rank 1 holds 7x rank 0's label tokens (126 vs 18). One
 process accumulating 4 trains the same steps. Rank 0 writes {"losses", "grad_norms", "reduce_scatters",
-"weights"} to `out`: the per-step logged loss, the step's global gradient norm before clipping, FSDP2's
-reduce-scatter calls per step, and the final full weights.
+"all_gathers", "weights"} to `out`: the per-step logged loss, the step's global gradient norm before clipping,
+FSDP2's reduce-scatter and all-gather calls per step, and the final full weights.
 """
 
 from __future__ import annotations
@@ -55,19 +55,20 @@ class Recorder(Callback):
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
         self.reduce_scatters: list[int] = []
-        self.calls = 0
-        self._reduce_scatter = dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single") else None
+        self.all_gathers: list[int] = []
+        self.calls = {"reduce_scatter_single": 0, "all_gather_single": 0}
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if self._reduce_scatter is None:
-            return
-        original = self._reduce_scatter
+        for name in self.calls:  # FSDP2's default ReduceScatter and AllGather call them by these names
+            if hasattr(dist, name):
+                setattr(dist, name, self._counted(name, getattr(dist, name)))
 
+    def _counted(self, name: str, original):
         def counted(*args, **kwargs):
-            self.calls += 1
+            self.calls[name] += 1
             return original(*args, **kwargs)
 
-        dist.reduce_scatter_single = counted  # FSDP2's default ReduceScatter calls it by this name
+        return counted
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
@@ -77,8 +78,9 @@ class Recorder(Callback):
             local = sum(g.double().pow(2).sum() for g in grads)
             total = trainer.strategy.reduce(local, reduce_op="sum") if trainer.world_size > 1 else local
         self.grad_norms.append(float(total.sqrt()))
-        self.reduce_scatters.append(self.calls)
-        self.calls = 0
+        self.reduce_scatters.append(self.calls["reduce_scatter_single"])
+        self.all_gathers.append(self.calls["all_gather_single"])
+        self.calls = dict.fromkeys(self.calls, 0)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not accumulates(trainer):  # `train/loss` was logged before this micro-batch's optimizer step
@@ -101,8 +103,9 @@ def main(settings: dict) -> None:
     devices, tp = settings.get("devices", 1), settings.get("tensor_parallel", 1)
     cp = settings.get("context_parallel", 1)
     kind, data_parallel = settings.get("strategy", "auto"), devices // (tp * cp)
-    if kind == "fsdp2" and cp > 1:
-        strategy = ShardedStrategy(data_parallel_size=data_parallel, context_parallel_size=cp, tensor_parallel_size=tp)
+    if kind == "fsdp2" and (cp > 1 or settings.get("cpu_offload")):
+        strategy = ShardedStrategy(data_parallel_size=data_parallel, context_parallel_size=cp, tensor_parallel_size=tp,
+                                   cpu_offload=settings.get("cpu_offload", False))  # fmt: skip
     elif kind == "fsdp2":
         strategy = ModelParallelStrategy(data_parallel_size=data_parallel, tensor_parallel_size=tp)
     else:
@@ -132,7 +135,7 @@ def main(settings: dict) -> None:
     if trainer.is_global_zero:
         torch.save(
             {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "reduce_scatters": recorder.reduce_scatters,
-             "weights": weights},
+             "all_gathers": recorder.all_gathers, "weights": weights},
             settings["out"],
         )  # fmt: skip
 

@@ -257,7 +257,8 @@ def test_loading_on_n_ranks_costs_each_rank_its_shard(loads):
     0.51 and 0.26 x the model on 1, 2 and 4 ranks; built whole first, 1.04 on each of 2), and it holds its shard
     once set up (the same). A build of the whole model on every rank fails the first bound at 2 and 4 ranks. The
     setup's peak after that is the packing probe's forward, which gathers the root (embeddings and head: a fifth of
-    this model, gathered through a buffer of the same size) as every training step does."""
+    this model, gathered through a buffer of the same size) as every training step does: measured 1.42, 1.06 and
+    0.81-0.86 x the model, 0.40-0.60 above what the rank holds (two copies of the root and two layers: 0.55)."""
     model = loads["model_bytes"]
     for n in (1, 2, 4):
         loaded = max(r["load_peak"] for r in loads[f"big{n}"])
@@ -268,13 +269,15 @@ def test_loading_on_n_ranks_costs_each_rank_its_shard(loads):
     assert whole > model, whole / model
     setup = {n: max(r["setup_peak"] for r in loads[f"big{n}"]) / model for n in (1, 2, 4)}
     assert setup[4] < setup[2] < setup[1], setup
+    for n in (1, 2, 4):  # the probe gathers the root and a layer or two, never the model
+        assert setup[n] - max(r["held"] for r in loads[f"big{n}"]) / model < 0.7, (n, setup)
 
 
 @pytest.mark.slow
 def test_the_export_round_trips_without_rank_0_holding_the_model(loads):
     """From 2 ranks, tied; and from 2 x 2 (data x tensor parallel), untied: `from_pretrained` of the folder gives
     the checkpoint's weights (the model's dtype) tensor for tensor. Rank 0 holds its shard and one other rank's
-    block of rows at a time: measured 0.71 x the model at its peak, 0.11 above what it held before the export (the
+    block of rows at a time: measured 0.71-0.72 x the model at its peak, 0.11 above what it held before the export (the
     embeddings' block); gathering each tensor whole took it to 0.95-1.01."""
     tmp = loads["tmp"]
     for source, export in (("big", "big_export"), ("small", "small_export")):

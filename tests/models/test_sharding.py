@@ -257,10 +257,11 @@ def env() -> dict[str, str]:
 def fits(tmp_path_factory) -> dict[str, dict]:
     """The same 3 optimizer steps, run at once: 1 process, 2-rank DDP, 2-rank FSDP2, 2 x 2 (data x tensor
     parallel) on 4 ranks; LoRA with activation checkpointing on 1 process and FSDP2; context parallel on 2 ranks
-    (each pack split over both), and 2 x 2 data x context parallel with activation checkpointing. FSDP2 builds on
+    (each pack split over both), and 2 x 2 data x context parallel with activation checkpointing; FSDP2 with its
+    shards kept in host memory (`cpu_offload`) and activation checkpointing. FSDP2 builds on
     the meta device and fills each rank's shards (the random init and the adapters' as one process makes them);
     2 x 2 builds the model whole on every rank and shards it. Each run's {"losses", "grad_norms", "reduce_scatters",
-    "weights"}."""
+    "all_gathers", "weights"}."""
     tmp = tmp_path_factory.mktemp("sharded")
     settings = {
         "one": {"devices": 1},
@@ -271,6 +272,7 @@ def fits(tmp_path_factory) -> dict[str, dict]:
         "fsdp2_lora": {"devices": 2, "strategy": "fsdp2", "lora": LORA, "gradient_checkpointing": True},
         "cp": {"devices": 2, "strategy": "fsdp2", "context_parallel": 2},
         "dp_cp": {"devices": 4, "strategy": "fsdp2", "context_parallel": 2, "gradient_checkpointing": True},
+        "fsdp2_offload_ckpt": {"devices": 2, "strategy": "fsdp2", "cpu_offload": True, "gradient_checkpointing": True},
     }
     running = {}
     for name, run in settings.items():
@@ -344,6 +346,19 @@ def test_accumulating_2_micro_batches_reduce_scatters_once_per_group_and_step(fi
     accumulates); with LoRA the root holds no trainable weight: 2."""
     assert fits["fsdp2"]["reduce_scatters"] == [3, 3, 3]
     assert fits["fsdp2_lora"]["reduce_scatters"] == [2, 2, 2]
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_and_cpu_offload_train_fsdp2s_steps_with_no_extra_collective(fits):
+    """transformers' activation checkpointing wraps each whole decoder layer; under FSDP2 its recompute runs inside
+    the backward, after the layer's pre-backward all-gather, so it gathers nothing more: 10 all-gathers a step
+    (2 micro-batches x (the root and 2 layers forward, 2 layers backward)), as without it. The shards kept in host
+    memory (`cpu_offload`, all host memory on CPU ranks) train the same bits."""
+    checkpointed, plain = fits["fsdp2_offload_ckpt"], fits["fsdp2"]
+    assert plain["all_gathers"][1:] == [10, 10] and checkpointed["all_gathers"] == plain["all_gathers"]
+    assert checkpointed["reduce_scatters"] == plain["reduce_scatters"] == [3, 3, 3]
+    assert checkpointed["losses"] == plain["losses"] and checkpointed["grad_norms"] == plain["grad_norms"]
+    assert max_weight_diff(checkpointed["weights"], plain["weights"]) == 0.0
 
 
 @pytest.mark.slow
