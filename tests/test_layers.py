@@ -190,3 +190,16 @@ def test_the_models_import_nothing_of_the_data_package():
         if module.startswith("lit_packing.models")
     }
     assert {module: targets for module, targets in found.items() if targets} == {}
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A name with a leading underscore is its module's own: a second user makes it public (one home per concept)."""
+    private = [
+        f"{module} imports {node.module}.{alias.name}"
+        for module, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lit_packing")
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+    assert not private, "\n".join(private)
