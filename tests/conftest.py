@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 # One intra-op thread per test process (and the subprocesses it starts: CLI runs, DDP ranks), unless set: the models
@@ -16,6 +17,34 @@ import torch  # noqa: E402
 
 if ONE_THREAD:
     torch.set_num_threads(1)  # in case torch was imported before this file
+
+
+@contextlib.contextmanager
+def all_cores():
+    """Every core for what runs inside: this process's intra-op threads and the subprocesses it starts. For the slow
+    tier's runs of one process at a time (in-process fits, the benchmark's workers), where one thread leaves the
+    other cores idle; a no-op under pytest-xdist (a worker per core) or where the user set OMP_NUM_THREADS. Only for
+    what compares no bits with a run made on one thread."""
+    if not ONE_THREAD or os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    cores = str(len(os.sched_getaffinity(0)))
+    before = torch.get_num_threads()
+    os.environ["OMP_NUM_THREADS"] = cores
+    torch.set_num_threads(int(cores))
+    try:
+        yield
+    finally:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def every_core():
+    """`all_cores` for one test."""
+    with all_cores():
+        yield
+
 
 # Tests never reach the network: the packaged assets are all they need.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

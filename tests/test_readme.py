@@ -181,7 +181,7 @@ def main_py_args(words: list[str]) -> tuple[list[str], bool]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("page", "words"), DOCUMENTED, ids=[f"{p}: {' '.join(w)}"[:100] for p, w in DOCUMENTED])
-def test_documented_command_runs(page, words, scratch, monkeypatch, capsys):
+def test_documented_command_runs(page, words, scratch, monkeypatch, capsys, every_core):
     monkeypatch.chdir(scratch)
     command = " ".join(words)
     if words[0] == "lit-packing":  # the installed command: the same entry as `python main.py` (tests/test_install.py)

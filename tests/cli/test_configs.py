@@ -97,7 +97,7 @@ CONFIG_RUNS = [
 
 
 @pytest.mark.parametrize("files", CONFIG_RUNS, ids=lambda files: "+".join(f.stem for f in files))
-def test_config_fits_with_fast_dev_run(files, tmp_path, monkeypatch):
+def test_config_fits_with_fast_dev_run(files, tmp_path, monkeypatch, every_core):
     monkeypatch.chdir(tmp_path)
     configs = [arg for f in files for arg in ("--config", str(f))]
     one_rank = SCALING[files[-1].stem][1] if files[-1].stem in SCALING else []

@@ -64,7 +64,7 @@ def reference(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 @pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen"])
-def test_gpu_config_fits_with_the_kernel_backend(tmp_path, reference, backend, precision, capsys):
+def test_gpu_config_fits_with_the_kernel_backend(tmp_path, reference, backend, precision, capsys, every_core):
     run = gpu_fit(tmp_path, precision, backend, flash_attn=backend == "flash_attn")
     printed = capsys.readouterr().out
     assert f"attention backend: {backend} on cuda:0" in printed or f"attention backend: {backend}," in printed
@@ -85,7 +85,7 @@ def test_gpu_config_fits_with_the_kernel_backend(tmp_path, reference, backend, p
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen"])
-def test_gpu_config_fits_compiled(tmp_path, reference, backend):
+def test_gpu_config_fits_compiled(tmp_path, reference, backend, every_core):
     """`compile: true`: the same losses; graph breaks counted over the whole fit, none in the attention path."""
     from torch._dynamo.utils import counters
 
