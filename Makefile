@@ -68,10 +68,17 @@ test: setup emulated
 	@echo "==> pytest -m 'not slow' on every core (the rest: make test-slow)"
 	$(PY) -m pytest -m "not slow" -n auto --dist loadfile $(PYTEST_ARGS)
 
-# pytest's exit status 5 means "no test collected" (e.g. a PYTEST_ARGS -k that selects no slow test): not a failure.
+# `make test-slow`: the slow tests in two passes. Those that run in one process (in-process fits, the documented
+# commands, compile) on every core through pytest-xdist, a test file to a worker; then the `serial` ones one at a
+# time: they start several processes (ranks, loader workers, launchers), kill them or measure their memory, and
+# want the cores to themselves. Both passes always run. pytest's exit status 5 means "no test collected" (e.g. a
+# PYTEST_ARGS -k that selects no slow test): not a failure.
 test-slow: setup emulated
-	@echo "==> pytest -m slow"
-	$(PY) -m pytest -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	@echo "==> pytest -m 'slow and not serial' on every core, then pytest -m 'slow and serial' one at a time"
+	status=0; \
+	$(PY) -m pytest -m "slow and not serial" -n auto --dist loadfile $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
+	$(PY) -m pytest -m "slow and serial" $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
+	exit $$status
 
 test-all: setup emulated
 	@echo "==> pytest (every test)"

@@ -74,6 +74,11 @@ def no_leaked_process_group():
 
 
 def pytest_collection_modifyitems(config, items):
+    # `serial` tests run alone in `make test-slow`'s second pass; one not also `slow` would run in `make test` beside
+    # other tests (pytest-xdist), where what makes it serial (killed processes, memory peaks) is not safe.
+    unsafe = [item.nodeid for item in items if "serial" in item.keywords and "slow" not in item.keywords]
+    if unsafe:
+        raise pytest.UsageError(f"marked serial but not slow: {', '.join(unsafe)}")
     skip_cuda = pytest.mark.skip(reason="needs an NVIDIA GPU (cuda marker)")
     if not torch.cuda.is_available():
         for item in items:

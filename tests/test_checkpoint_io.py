@@ -214,6 +214,7 @@ def read_folder(path: Path) -> tuple[torch.Tensor, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.parametrize("strategy", ["sharded", "lightning"])
 def test_a_distributed_checkpoint_save_killed_part_way_leaves_the_previous_one(tmp_path, strategy):
     script, last = tmp_path / "killed_save.py", tmp_path / "checkpoints" / "last.ckpt"

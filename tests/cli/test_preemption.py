@@ -263,6 +263,7 @@ def one_rank_reference(tmp_path_factory) -> Job:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_preempted_at_every_moment_on_one_rank_resumes_by_itself_to_the_same_weights(tmp_path, one_rank_reference):
     job = Job(tmp_path / "job", 1, ONE_RANK)  # no --ckpt_path: a requeued job's command, unchanged
     shm = job.tmpdir
@@ -307,6 +308,7 @@ def test_preempted_at_every_moment_on_one_rank_resumes_by_itself_to_the_same_wei
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_two_ranks_signalled_apart_stop_at_the_same_step_and_resume_to_the_same_weights(tmp_path):
     reference = Job(tmp_path / "reference", 2, TWO_RANKS)
     for code, output in reference.run():

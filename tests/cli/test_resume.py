@@ -107,6 +107,7 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_kill_9_mid_epoch_with_workers_then_resume_is_exact(tmp_path, tiny_llama_config):
     (tmp_path / "recorder.py").write_text(RECORDER)
     run = dict(cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=600)
@@ -167,6 +168,7 @@ LAYOUTS = {
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_two_node_launch_on_loopback_then_resume_on_one_process(tmp_path, tiny_llama_config, layout):
     """`torchrun --nnodes=2` twice (node ranks 0 and 1) trains over gloo (DDP with 1 rank a node; FSDP2 with 2 a

@@ -196,6 +196,7 @@ STREAM = [
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.parametrize("path", ["cached", "streamed"])
 def test_sigkill_of_a_fit_with_workers_leaves_no_process(path, tmp_path):
     (tmp_path / "recorder.py").write_text(RECORDER)
@@ -206,6 +207,7 @@ def test_sigkill_of_a_fit_with_workers_leaves_no_process(path, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_sigkill_of_rank_0_leaves_no_rank_or_worker(tmp_path):
     (tmp_path / "recorder.py").write_text(RECORDER)
     args = fit_args(tmp_path, LLAMA, "run", 2, "--data.num_workers=2", "--trainer.max_steps=200", delay=0.5)

@@ -243,6 +243,7 @@ def loads(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_every_rank_holds_its_slices_of_the_checkpoint_bit_for_bit(loads):
     for name in ("big1", "big2", "big4", "big2_export", "small_tp", "small_lora"):
         for rank, report in enumerate(loads[name]):
@@ -252,6 +253,7 @@ def test_every_rank_holds_its_slices_of_the_checkpoint_bit_for_bit(loads):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_loading_on_n_ranks_costs_each_rank_its_shard(loads):
     """Built, sharded and filled, each rank's peak is its shard plus what the reads pass through (measured: 1.01,
     0.51 and 0.26 x the model on 1, 2 and 4 ranks; built whole first, 1.04 on each of 2), and it holds its shard
@@ -274,6 +276,7 @@ def test_loading_on_n_ranks_costs_each_rank_its_shard(loads):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_the_export_round_trips_without_rank_0_holding_the_model(loads):
     """From 2 ranks, tied; and from 2 x 2 (data x tensor parallel), untied: `from_pretrained` of the folder gives
     the checkpoint's weights (the model's dtype) tensor for tensor. Rank 0 holds its shard and one other rank's
@@ -293,6 +296,7 @@ def test_the_export_round_trips_without_rank_0_holding_the_model(loads):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_random_init_and_lora_adapters_are_one_process_weights_on_any_number_of_ranks(loads):
     tmp = loads["tmp"]
     torch.manual_seed(SEED)

@@ -475,6 +475,7 @@ def test_dpo_sharded_trains_the_ddp_runs_losses_with_either_reference(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.parametrize("parallel", ["data", "context"])
 def test_kill_9_of_a_sharded_run_then_resume_is_exact_and_exports_one_folder(tmp_path, tiny_llama_config, parallel):
     """2 FSDP2 ranks (2 loader workers each, accumulation 2) SIGKILLed after the distributed checkpoint of step 4
