@@ -184,6 +184,10 @@ def main_py_args(words: list[str]) -> tuple[list[str], bool]:
 def test_documented_command_runs(page, words, scratch, monkeypatch, capsys, every_core):
     monkeypatch.chdir(scratch)
     command = " ".join(words)
+    while re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):  # `NAME=value command ...`: the command, in that environment
+        name, value = words[0].split("=", 1)
+        monkeypatch.setenv(name, value)
+        words = words[1:]
     if words[0] == "lit-packing":  # the installed command: the same entry as `python main.py` (tests/test_install.py)
         words = ["python", "main.py", *words[1:]] if words[1] in ("fit", "validate", "test") else words
     if words[:2] == ["lit-packing", "report"]:
