@@ -72,11 +72,15 @@ test: setup emulated
 # commands, compile) on every core through pytest-xdist, a test file to a worker; then the `serial` ones one at a
 # time: they start several processes (ranks, loader workers, launchers), kill them or measure their memory, and
 # want the cores to themselves. Both passes always run. pytest's exit status 5 means "no test collected" (e.g. a
-# PYTEST_ARGS -k that selects no slow test): not a failure.
+# PYTEST_ARGS -k that selects no slow test): not a failure. The first pass keeps freed memory in each process's heap
+# (glibc's mmap and trim thresholds raised): a step's large tensors are reused, not mapped and faulted in afresh (a
+# tiny-model CLI fit: 2.2M page faults -> 0.5M, 20% less wall time); the second pass measures memory, so it keeps
+# glibc's defaults.
+FIRST_PASS_MALLOC := MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296
 test-slow: setup emulated
 	@echo "==> pytest -m 'slow and not serial' on every core, then pytest -m 'slow and serial' one at a time"
 	status=0; \
-	$(PY) -m pytest -m "slow and not serial" -n auto --dist loadfile $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
+	$(FIRST_PASS_MALLOC) $(PY) -m pytest -m "slow and not serial" -n auto --dist loadfile $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
 	$(PY) -m pytest -m "slow and serial" $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
 	exit $$status
 
