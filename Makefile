@@ -68,10 +68,10 @@ test: setup emulated
 	@echo "==> pytest -m 'not slow' on every core (the rest: make test-slow)"
 	$(PY) -m pytest -m "not slow" -n auto --dist loadfile $(PYTEST_ARGS)
 
-# `make test-slow`: the slow tests in two passes. Those that run in one process (in-process fits, the documented
-# commands, compile) on every core through pytest-xdist, a test file to a worker; then the `serial` ones one at a
-# time: they start several processes (ranks, loader workers, launchers), kill them or measure their memory, and
-# want the cores to themselves. Both passes always run. pytest's exit status 5 means "no test collected" (e.g. a
+# `make test-slow`: the slow tests in two passes. First every slow test not marked `serial` (in-process fits, the
+# documented commands, compile, multi-rank runs that compare losses and weights) on every core through
+# pytest-xdist, a test file to a worker; then the `serial` ones one at a time: they kill processes at a moment,
+# measure memory peaks or launch on loopback ports, and want the cores to themselves. Both passes always run. pytest's exit status 5 means "no test collected" (e.g. a
 # PYTEST_ARGS -k that selects no slow test): not a failure. The first pass keeps freed memory in each process's heap
 # (glibc's mmap and trim thresholds raised): a step's large tensors are reused, not mapped and faulted in afresh (a
 # tiny-model CLI fit: 2.2M page faults -> 0.5M, 20% less wall time); the second pass measures memory, so it keeps
