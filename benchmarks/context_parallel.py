@@ -15,7 +15,10 @@ training step on the first CHAMP pack of 16,384 tokens, on 1, 2 and 4 ranks over
 rank, the bytes autograd saves in the forward (the activations), the peak growth of resident memory during the
 step, and the step's seconds (2 CPU cores shared by the ranks: the ratio of memory is the point, not the speed).
 With `--device cuda`: 1, 2, 4, ... ranks up to the GPUs there are, one GPU each over NCCL, bf16-mixed, `torch_varlen`,
-the CHAMP pack repeated up to `--tokens`: peak allocated memory per rank and real tokens per second.
+the CHAMP pack repeated up to `--tokens`: peak allocated memory per rank and real tokens per second. Every launch
+of more than one rank is compared with the one-rank launch on the same pack and weights: the loss (summed over the
+ranks, relative to one rank's) and every parameter's gradient (summed over the ranks, the largest difference
+relative to the largest gradient).
 """
 
 from __future__ import annotations
@@ -92,28 +95,38 @@ def memory(device: str, layers: int, tokens: int) -> None:
     if device == "cuda":
         sizes = tuple(2**i for i in range(8) if 2**i <= torch.cuda.device_count())
     rows = []
-    for size in sizes:
-        with tempfile.TemporaryDirectory() as folder:
-            out = os.path.join(folder, "out.json")
-            mp.spawn(step_on_rank, args=(size, folder, first, out, device, layers), nprocs=size, join=True)
-            with open(out) as file:
-                rows.append(json.load(file))
+    with tempfile.TemporaryDirectory() as kept:
+        reference = os.path.join(kept, "one_rank.pt")  # the one-rank loss and gradients, which the others must give
+        for size in sizes:
+            with tempfile.TemporaryDirectory() as folder:
+                out = os.path.join(folder, "out.json")
+                mp.spawn(step_on_rank, args=(size, folder, first, out, device, layers, reference), nprocs=size,
+                         join=True)  # fmt: skip
+                with open(out) as file:
+                    rows.append(json.load(file))
     one = rows[0]
     precision = "bf16-mixed, torch_varlen" if device == "cuda" else "fp32, per_example"
     print(f"one training step on a pack of {rows[0]['tokens']:,} CHAMP tokens ({rows[0]['documents']} documents), "
           f"SmolLM2-135M's architecture with {layers} layers, {precision}, per rank:")  # fmt: skip
     print(
-        "| cp ranks | tokens per rank | saved activations (MiB) | x 1 rank | peak RSS growth (MiB) | x 1 rank | "
-        "step (s) |"
+        "| cp ranks | tokens per rank | saved activations (MiB) | x 1 rank | peak memory growth (MiB) | x 1 rank | "
+        "step (s) | loss vs 1 rank | gradients vs 1 rank |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['size']} | {row['slots']:,} | {row['saved'] / 2**20:,.0f} | {row['saved'] / one['saved']:.2f} | "
               f"{row['rss'] / 2**20:,.0f} | {row['rss'] / one['rss']:.2f} | {row['seconds']:.1f} "
-              f"({row['tokens'] / row['seconds']:,.0f} tokens/s) |")  # fmt: skip
+              f"({row['tokens'] / row['seconds']:,.0f} tokens/s) | {row['loss_error']:.1e} | "
+              f"{row['grad_error']:.1e} |")  # fmt: skip
+    worst = max(max(row["loss_error"], row["grad_error"]) for row in rows)
+    bound = 2e-2 if device == "cuda" else 1e-4  # bf16-mixed sums in another order; fp32 on CPU
+    print(f"largest relative difference from one rank: {worst:.1e} (bound {bound:.0e})")
+    if worst > bound:
+        raise SystemExit(f"context parallelism does not give one rank's loss and gradients: {worst:.1e} > {bound:.0e}")
 
 
-def step_on_rank(rank: int, size: int, folder: str, examples: list, out: str, device: str, layers: int) -> None:
+def step_on_rank(rank: int, size: int, folder: str, examples: list, out: str, device: str, layers: int,
+                 reference: str) -> None:  # fmt: skip
     import torch
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -160,13 +173,24 @@ def step_on_rank(rank: int, size: int, folder: str, examples: list, out: str, de
     growth = (peak_memory(where) - before) * 2**30
     dist.barrier()
     seconds = time.perf_counter() - start
-    worst = torch.tensor([float(sum(saved.values())), growth], dtype=torch.float64)
+    # Collectives take device tensors: NCCL has no host path.
+    worst = torch.tensor([float(sum(saved.values())), growth], dtype=torch.float64, device=where)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    summed = torch.cat([loss.detach().float().reshape(1), *(p.grad.float().flatten() for p in model.parameters())])
+    dist.all_reduce(summed)  # each rank's share of the loss sum and of every gradient: one rank's whole
     if rank == 0:
+        loss_error = grad_error = 0.0
+        if size == 1:
+            torch.save(summed.cpu(), reference)
+        else:
+            one = torch.load(reference).to(where)
+            loss_error = float((summed[0] - one[0]).abs() / one[0].abs())
+            grad_error = float((summed[1:] - one[1:]).abs().max() / one[1:].abs().max())
         with open(out, "w") as file:
             json.dump({"size": size, "slots": int(local["input_ids"].shape[1]), "saved": worst[0].item(),
                        "rss": worst[1].item(), "seconds": seconds, "tokens": int(batch["input_ids"].shape[1]),
-                       "documents": len(examples)}, file)  # fmt: skip
+                       "documents": len(examples), "loss_error": loss_error, "grad_error": grad_error},
+                      file)  # fmt: skip
     dist.destroy_process_group()
 
 

@@ -11,6 +11,7 @@ function whose attribute is gone raises `CompatError` with the same message inst
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -357,6 +358,41 @@ def detach_wandb_run(logger: Any) -> Any:
         logger._id = run.id
         logger._experiment = None
     return run
+
+
+def launched_ranks(trainer: Any) -> list[Any]:
+    """The `subprocess.Popen` of every rank this process launched (ranks 1..N-1 of Lightning's DDP launcher, in
+    order); empty where another launcher (torchrun, SLURM) started the ranks, or on any rank but the launcher.
+
+    Lightning: `strategy.launcher.procs` (`_SubprocessScriptLauncher`); checked on 2.6.6."""
+    launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)
+    return list(getattr(launcher, "procs", None) or [])
+
+
+def quiet_process_observer() -> None:
+    """Stop Lightning's child-process observer from acting: it SIGKILLs every rank, this one included, 5 s after
+    a launched rank died, without a word (`cli.RankWatch` says which and how, then ends them the same way).
+
+    Lightning: the `child-process-observer` thread's `_run` (`_ChildProcessObserver`); checked on 2.6.6."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == "child-process-observer":
+            _get("lightning", "_ChildProcessObserver._run", lambda t=thread: t._run)
+            thread._run = lambda: True  # its loop ends at its next wake
+
+
+def last_saved_checkpoint(trainer: Any) -> str | None:
+    """The newest checkpoint the run's `ModelCheckpoint` callbacks saved in this launch (None if none did).
+
+    Lightning: `ModelCheckpoint._last_checkpoint_saved`; checked on 2.6.6."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+    saved = _get("lightning", "ModelCheckpoint._last_checkpoint_saved",
+                 lambda: [cb._last_checkpoint_saved for cb in callbacks])  # fmt: skip
+    saved = [path for path in saved if path and os.path.exists(path)]
+    return max(saved, key=os.path.getmtime) if saved else None
 
 
 def model_parallel_sizes(strategy: Any) -> tuple[Any, Any]:

@@ -20,7 +20,9 @@ import difflib
 import logging
 import os
 import re
+import shlex
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import NoReturn
@@ -30,13 +32,19 @@ import transformers
 from jsonargparse import ArgumentParser, Namespace
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lit_packing._compat import cli_setting, parser_options
+from lit_packing._compat import (
+    cli_setting,
+    last_saved_checkpoint,
+    launched_ranks,
+    parser_options,
+    quiet_process_observer,
+)
 from lit_packing.callbacks import PackingMonitor, TokenThroughputMonitor
 from lit_packing.callbacks.checkpoint import LastCheckpoint
 from lit_packing.callbacks.preemption import PreemptionCheckpoint, hpc_checkpoints
@@ -48,7 +56,7 @@ from lit_packing.errors import AssetError, ConfigError, LitPackingError, Trainin
 from lit_packing.models import PackedCausalLM
 from lit_packing.models.materialize import deferred_weights
 from lit_packing.preflight import Position, check_left_to_train, preflight, read_checkpoint, read_position
-from lit_packing.processes import tie_to_launcher
+from lit_packing.processes import dead_rank, tie_to_launcher, watch_ranks
 from lit_packing.strategies import LIGHTNING_MODEL_PARALLEL, ShardedStrategy
 
 log = logging.getLogger("lit_packing")
@@ -268,6 +276,16 @@ class PackingCLI(LightningCLI):
                 "trainer.limit_train_batches and trainer.accumulate_grad_batches"
             )
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Lightning's; when a rank this process launched died, the collective that failed here (gloo's "Connection
+        closed by peer") is left unsaid: `RankWatch` is ending the run with one line."""
+        try:
+            super()._run_subcommand(subcommand)
+        except Exception as error:
+            if not isinstance(error, LitPackingError) and dead_rank(launched_ranks(self.trainer), wait=2):
+                time.sleep(10)  # RankWatch polls every 0.2 s, prints and exits
+            raise
+
     def instantiate_trainer(self, **kwargs) -> Trainer:
         """Add the progress display and the checkpoint policy, unless the config turns them off or brings its own
         `ModelCheckpoint`."""
@@ -280,6 +298,7 @@ class PackingCLI(LightningCLI):
         checkpointing = trainer_config.get("enable_checkpointing", True) is not False
         if checkpointing and not chose_checkpoints:
             callbacks.append(LastCheckpoint())
+        callbacks.append(RankWatch())
         if checkpointing and not any(isinstance(cb, PreemptionCheckpoint) for cb in callbacks):
             callbacks.append(PreemptionCheckpoint())  # after the ModelCheckpoints: see its docstring
         plugins = trainer_config.get("plugins") or []
@@ -287,6 +306,30 @@ class PackingCLI(LightningCLI):
         if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
             plugins.append(AtomicCheckpointIO())
         return super().instantiate_trainer(**kwargs, callbacks=callbacks, plugins=plugins)
+
+
+class RankWatch(Callback):
+    """On the process that launched the other ranks (Lightning's DDP launcher): a rank that dies (killed, out of
+    memory, crashed) ends the run in one line saying which rank, how, the last checkpoint and the command that
+    resumes from it; status 1, every rank ended (`processes.watch_ranks`)."""
+
+    def setup(self, trainer: Trainer, pl_module, stage: str) -> None:
+        procs = launched_ranks(trainer)
+        if procs:
+            quiet_process_observer()  # Lightning's own ends everything silently, 5 s later
+            watch_ranks(procs, lambda died: rank_died(trainer, died))
+
+
+def rank_died(trainer: Trainer, died: str) -> str:
+    """`died` ("rank 1 (pid 4242) was killed by SIGKILL") with the step, the newest checkpoint of this launch and
+    the command that resumes from it."""
+    saved = last_saved_checkpoint(trainer)
+    if saved is None:
+        return f"{died} at optimizer step {trainer.global_step:,}; no checkpoint was saved in this launch"
+    argv = sys.argv
+    kept = [arg for i, arg in enumerate(argv) if not arg.startswith("--ckpt_path") and argv[i - 1] != "--ckpt_path"]
+    command = shlex.join(["python", *kept, f"--ckpt_path={saved}"])
+    return f"{died} at optimizer step {trainer.global_step:,}; the last checkpoint: {saved}; resume with: {command}"
 
 
 def sharded_strategy(strategy):

@@ -4,6 +4,7 @@
     subprocess.run(command, preexec_fn=EndWithParent())   # so does a child a tool starts
     end_with_launcher()                                   # a rank started by a launcher dies with the launcher
     leave_to_parent({signal.SIGTERM, signal.SIGUSR1})     # what this process forks from now on ignores these
+    watch_ranks(procs, describe)                          # a launched rank that dies: one line, status 1
 
 A preempted job is killed with SIGKILL: no handler runs, so only the kernel can end what the process started. On
 Linux a process asks for a signal when its parent dies (`prctl(PR_SET_PDEATHSIG)`); a process whose parent died
@@ -27,6 +28,8 @@ import ctypes
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -142,3 +145,46 @@ def tie_to_launcher() -> None:
             die_with_parent(int(launcher))
     else:
         os.environ[LAUNCHER_PID] = str(os.getpid())
+
+
+# A rank that stopped with one of the toolkit's own errors: every rank raises it together and rank 0 prints it.
+TOOLKIT_ERROR_STATUS = 2
+
+
+def dead_rank(procs: list, wait: float = 0.0) -> str | None:
+    """Which of the ranks this process launched (`procs`: ranks 1, 2, ... as `subprocess.Popen`) died, and how:
+    "rank 1 (pid 4242) was killed by SIGKILL" or "... exited with status 3"; None while none has (a rank that
+    ended cleanly, or with the toolkit's own error status, did not die). A rank that just died may not have been
+    reaped yet when a collective on this rank fails: `wait` gives it that many seconds."""
+    deadline = time.monotonic() + wait
+    while True:
+        for rank, proc in enumerate(procs, start=1):
+            code = proc.poll()
+            if code is not None and code not in (0, TOOLKIT_ERROR_STATUS):
+                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+                return f"rank {rank} (pid {proc.pid}) {how}"
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+def watch_ranks(procs: list, describe: Callable[[str], str], every: float = 0.2) -> threading.Thread:
+    """On the process that launched ranks 1..N-1 (`procs`): once one of them dies, print `describe(what died)` as
+    one `error:` line, end the other ranks and exit with status 1. Without it, a collective on this rank fails with
+    the backend's traceback (gloo) or waits for the backend's timeout (NCCL). A daemon thread, polling every
+    `every` seconds, that ends when every rank ended cleanly."""
+
+    def watch() -> None:
+        while not (died := dead_rank(procs)):
+            if all(proc.poll() is not None for proc in procs):
+                return
+            time.sleep(every)
+        print(f"error: {describe(died)}", flush=True)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="lit-packing-rank-watch", daemon=True)
+    thread.start()
+    return thread

@@ -48,7 +48,9 @@ class ShardedStrategy(ModelParallelStrategy):
             with context parallelism).
         cpu_offload: keep the sharded parameters, gradients and AdamW state in host memory between uses (FSDP2's
             `CPUOffloadPolicy`): device memory for what a step gathers and computes, at the cost of host-device
-            copies every step and an optimizer step on the host.
+            copies every step and an optimizer step on the host. On GPUs the process group then gets a gloo backend
+            for host tensors beside NCCL (`cuda:nccl,cpu:gloo`): gradient clipping's norm, the finite-shards check
+            and the export reduce and send shards that live on the host, which NCCL cannot.
         **kwargs: `ModelParallelStrategy`'s.
     """
 
@@ -61,6 +63,12 @@ class ShardedStrategy(ModelParallelStrategy):
             raise ConfigError(CP_SIZE_SETTING, f"{context_parallel_size!r} is not a number of ranks",
                               "set it to 1 or more")  # fmt: skip
         self.context_parallel_size = context_parallel_size
+
+    def _get_process_group_backend(self) -> str:
+        """Lightning's (NCCL on GPUs, gloo on CPUs, or `process_group_backend` as given), with gloo for host tensors
+        beside NCCL when the shards live on the host (`cpu_offload`)."""
+        backend = super()._get_process_group_backend()
+        return "cuda:nccl,cpu:gloo" if self.cpu_offload and backend == "nccl" else backend
 
     def setup_environment(self) -> None:
         """Lightning's, then with context parallelism the 3-D mesh in place of its 2-D one.

@@ -126,6 +126,8 @@ def deal(batch: Mapping[str, Any], context: ContextGroup | int, rank: int | None
     group (what the tests compare with).
     """
     group = context if isinstance(context, ContextGroup) else ContextGroup(None, int(context), int(rank or 0))
+    if group.group is not None:
+        check_one_pack(batch, group)
     ids, positions = batch[INPUT_IDS], batch[POSITION_IDS]
     device, total = ids.device, ids.shape[1]
     cu = batch[CU_SEQ_LENS_Q].cpu().numpy().astype(np.int64)
@@ -153,6 +155,35 @@ def deal(batch: Mapping[str, Any], context: ContextGroup | int, rank: int | None
     if LABELS in batch:
         out[LABELS] = _dealt_targets(batch[LABELS], cu, index, pad)
     return out
+
+
+def check_one_pack(batch: Mapping[str, Any], group: ContextGroup) -> None:
+    """Every rank of a context group must hold the same pack before it is dealt: one all-gather of (row length,
+    a checksum of its tokens, targets and boundaries) over the group, on the batch's device (NCCL has no host
+    path). Rows of other lengths would hang NCCL's gathers in the first attention layer; the same length with other
+    tokens would train silently wrong.
+
+    Raises:
+        ConfigError: the ranks hold different packs (naming the ranks and what differs), on every rank of the group.
+    """
+    ids = batch[INPUT_IDS]
+    weights = torch.arange(1, ids.shape[1] + 1, device=ids.device)  # position-weighted: a reordering shows
+    labels = batch.get(LABELS, ids)
+    cu = batch[CU_SEQ_LENS_Q].to(ids.device, torch.int64)
+    bounds = (cu * torch.arange(1, len(cu) + 1, device=cu.device)).sum()
+    mine = torch.stack([torch.tensor(ids.shape[1], device=ids.device), (ids[0].long() * weights).sum(),
+                        (labels[0].long() * weights).sum(), bounds])  # fmt: skip
+    held = [torch.empty_like(mine) for _ in range(group.size)]
+    dist.all_gather(held, mine, group=group.group)
+    packs = [row.tolist() for row in held]
+    other = next((r for r, pack in enumerate(packs) if pack != packs[0]), None)
+    if other is not None:
+        what = (f"rows of {packs[0][0]} and {packs[other][0]} tokens" if packs[0][0] != packs[other][0]
+                else "rows of one length with other tokens")  # fmt: skip
+        raise ConfigError(CP_SIZE_SETTING, f"context-parallel ranks 0 and {other} of a group hold different packs "
+                          f"({what}); the ranks of a context group train one pack together", "deal the batches by "
+                          "data-parallel rank only (the toolkit's samplers do; a DataLoader of your own must give "
+                          "every rank of a context group the same batches), or set it to 1")  # fmt: skip
 
 
 def _dealt_targets(labels: torch.Tensor, cu: np.ndarray, index: torch.Tensor, pad: int) -> torch.Tensor:

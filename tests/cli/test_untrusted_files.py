@@ -213,3 +213,43 @@ def test_sigkill_of_rank_0_leaves_no_rank_or_worker(tmp_path):
     args = fit_args(tmp_path, LLAMA, "run", 2, "--data.num_workers=2", "--trainer.max_steps=200", delay=0.5)
     alive, closed = kill_and_watch(tmp_path, args, tmp_path / "run.rank1", ranks=2)
     assert alive == [] and closed
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+def test_a_rank_that_dies_ends_the_run_in_one_line_naming_it_and_the_resume(tmp_path):
+    """SIGKILL rank 1 of a 2-rank fit once a checkpoint is saved: rank 0 says in one line which rank died and how,
+    at which step, the last checkpoint and the command that resumes from it; status 1, no traceback, in seconds,
+    no process left (rank 0's collective would otherwise fail with gloo's traceback, or wait for NCCL's timeout)."""
+    (tmp_path / "recorder.py").write_text(RECORDER)
+    args = fit_args(tmp_path, LLAMA, "run", 2, "--data.num_workers=1", "--trainer.max_steps=200", delay=0.3)
+    run = subprocess.Popen(args, cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)  # fmt: skip
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(run.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 300
+    while not list((tmp_path / "run").glob("step=*.ckpt")) and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert run.poll() is None, "".join(output)[-3000:]
+    family = psutil.Process(run.pid).children(recursive=True)
+    rank1 = next(p for p in psutil.Process(run.pid).children() if p.environ().get("LOCAL_RANK") == "1")
+    killed = time.monotonic()
+    rank1.send_signal(signal.SIGKILL)
+    status = run.wait(timeout=60)
+    ended = time.monotonic() - killed
+    reader.join(timeout=15)
+    gone, alive = psutil.wait_procs(family, timeout=3)
+    alive = [p.pid for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    text = "".join(output)
+    last = text.strip().splitlines()[-1]
+    assert status == 1 and ended < 10, (status, ended, text[-3000:])
+    assert "Traceback" not in text, text[-3000:]
+    found = re.fullmatch(rf"error: rank 1 \(pid {rank1.pid}\) was killed by SIGKILL at optimizer step (\d+); the last "
+                         r"checkpoint: (\S+); resume with: python (.*)", last)  # fmt: skip
+    assert found, last
+    assert Path(found[2]).parent == tmp_path / "run" and Path(found[2]).is_file()
+    assert found[3].endswith(f"--ckpt_path={found[2]}") and "main.py fit --config" in found[3]
+    assert alive == []

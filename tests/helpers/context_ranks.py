@@ -8,7 +8,8 @@ reference: logits, the loss sum, every parameter's gradient), then its dealt sha
 loss sum and gradients summed over the group, the logits gathered back into the pack's order). The leakage probe
 changes one token of one document and runs the dealt pack again: every other document's logits must be bit for
 bit what they were. Rank 0 writes, per case and size, the largest differences over every rank, and per size the
-most activation bytes a rank saves on a pack of 4,096 tokens.
+most activation bytes a rank saves on a pack of 4,096 tokens, and what each rank raised when the ranks of its
+group were handed different packs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_packing.batch import CU_SEQ_LENS_Q, INPUT_IDS, LABELS, model_inputs
 from lit_packing.data.collate import PackedCollator
+from lit_packing.errors import ConfigError
 from lit_packing.models.context import ContextGroup, deal, deal_of, plan
 from lit_packing.models.loss import causal_lm_loss
 from lit_packing.models.pack import pack_model
@@ -146,10 +148,30 @@ def worker(rank: int, store: str, out: str) -> None:
         worst = torch.tensor(float(saved_bytes(group)), dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         results[f"saved/{size}"] = worst.item()
+    results["refused"] = refusals(rank, groups[2])
     if rank == 0:
         with open(out, "w") as file:
             json.dump(results, file)
     dist.destroy_process_group()
+
+
+def refusals(rank: int, group: ContextGroup) -> list[str]:
+    """Groups of 2 whose ranks hold different packs: ranks 0-1 rows of other lengths (which would hang NCCL's
+    gathers), ranks 2-3 one length with one token changed. What each of the 4 ranks raised when dealing."""
+    batch = pack()
+    if rank == 1:  # the pack without its 64-token document: a shorter row
+        batch = PackedCollator(pad_to_multiple_of=16)(make_examples(LENGTHS[:5] + LENGTHS[6:], vocab=300, seed=3))
+    elif rank == 3:
+        batch = {**batch, INPUT_IDS: batch[INPUT_IDS].clone()}
+        batch[INPUT_IDS][0, 40] = (batch[INPUT_IDS][0, 40] + 1) % 300
+    try:
+        deal(batch, group)
+        message = ""
+    except ConfigError as error:
+        message = str(error)
+    messages: list[str] = [""] * WORLD
+    dist.all_gather_object(messages, message)
+    return messages
 
 
 def main(settings: dict) -> None:

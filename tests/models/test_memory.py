@@ -20,14 +20,8 @@ from lit_packing.batch import COUNTS, INPUT_IDS, StepShape
 from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.errors import ConfigError
 from lit_packing.models import PackedCausalLM
-from lit_packing.models.memory import (
-    GiB,
-    activation_model,
-    choose_largest_fitting,
-    estimate_step_memory,
-    memory_model,
-    saved_activation_bytes,
-)
+from lit_packing.models.activations import activation_model, saved_activation_bytes
+from lit_packing.models.memory import GiB, choose_largest_fitting, estimate_step_memory, memory_model
 from lit_packing.samplers import BestFitPackingSampler, FixedLengthPackingSampler, RandomBatchSampler
 from tests.conftest import TINY_CONFIGS
 

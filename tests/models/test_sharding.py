@@ -39,6 +39,7 @@ from lit_packing.models.sharding import (
     shard_plan,
     tensor_parallel_plan,
 )
+from lit_packing.strategies import ShardedStrategy
 from tests.conftest import TINY_CONFIGS
 from tests.helpers import LORA, TINY_LLAMA, tiny_model
 
@@ -113,6 +114,21 @@ def test_the_shard_count_is_every_rank_of_lightnings_mesh(fake_world):
     assert shard_count(init_device_mesh("cpu", (4, 1), mesh_dim_names=MESH_DIMS)) == 4
     assert shard_count(init_device_mesh("cpu", (2, 2), mesh_dim_names=MESH_DIMS)) == 4
     assert shard_count(None) == 1
+
+
+@pytest.mark.parametrize("device, offload, expected", [("cuda", False, {"cuda": "nccl"}),
+                                                      ("cuda", True, {"cuda": "nccl", "cpu": "gloo"}),
+                                                      ("cpu", True, {"cpu": "gloo", "cuda": "gloo"})])  # fmt: skip
+def test_shards_kept_on_the_host_get_gloo_beside_nccl(device, offload, expected):
+    """With `cpu_offload` on GPUs, the gradient norm, the finite-shards check and the export's sends take host
+    tensors, which an NCCL-only group refuses ("No backend type associated with device type cpu")."""
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    strategy = ShardedStrategy(cpu_offload=offload)
+    strategy.parallel_devices = [torch.device(device, 0) if device == "cuda" else torch.device("cpu")]
+    backend = strategy._get_process_group_backend()
+    assert BackendConfig(dist.Backend(backend)).get_device_backend_map() == expected
+    assert ShardedStrategy(cpu_offload=True, process_group_backend="gloo")._get_process_group_backend() == "gloo"
 
 
 def test_the_tensor_parallel_plan_is_the_models_own_in_torchs_styles():
