@@ -46,6 +46,13 @@ def every_core():
         yield
 
 
+# Each pytest-xdist worker compiles into a cache of its own: two workers compiling at once never share files.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import tempfile
+
+    WORKER_CACHE = os.path.join(tempfile.gettempdir(), f"torchinductor_{os.environ['PYTEST_XDIST_WORKER']}")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", WORKER_CACHE)
+
 # Tests never reach the network: the packaged assets are all they need.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

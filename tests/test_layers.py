@@ -15,7 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "lit_packing"
 # Layer of every module, lowest first; a module may import its own layer and the ones below.
 CORE = ("lit_packing.batch", "lit_packing.cost", "lit_packing.errors", "lit_packing.text", "lit_packing._compat",
-        "lit_packing.processes", "lit_packing.core",
+        "lit_packing.processes", "lit_packing.agree", "lit_packing.core",
         "lit_packing.samplers",
         "lit_packing.data.collate", "lit_packing.models.segments", "lit_packing.models.kernels",
         "lit_packing.models.backends", "lit_packing.models.attention", "lit_packing.models.loss",

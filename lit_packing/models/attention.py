@@ -104,16 +104,19 @@ INERT_KEYWORDS = frozenset({
 PROBE_NAME = "packed_probe"
 
 
-def register_probe(seen: set[str], modules: list[torch.nn.Module]) -> str:
+def register_probe(seen: set[str], modules: list[torch.nn.Module], each: dict[int, set[str]] | None = None) -> str:
     """Register the per_example backend under `PROBE_NAME`, adding to `seen` every keyword it is handed with a
-    value (and `PROBE_NAME` itself once it is called) and to `modules` every attention module that calls it;
-    return the name."""
+    value (and `PROBE_NAME` itself once it is called), to `modules` every attention module that calls it and, per
+    module (`each`, by `id`), the keywords that module handed it; return the name."""
     forward = _attention_forward(per_example_varlen, check_door=False)
 
     def probe(module, *args, **kwargs):
         modules.append(module)
         seen.add(PROBE_NAME)
-        seen.update(key for key, value in kwargs.items() if value is not None)
+        handed = {key for key, value in kwargs.items() if value is not None}
+        seen.update(handed)
+        if each is not None:
+            each.setdefault(id(module), set()).update(handed)
         return forward(module, *args, **kwargs)
 
     AttentionInterface.register(PROBE_NAME, probe)

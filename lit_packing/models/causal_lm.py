@@ -278,7 +278,7 @@ class PackedCausalLM(LightningModule):
             if self.precomputed is not None:
                 self.precomputed.initial_weights = self.trainer.strategy.broadcast(weights_fingerprint(self.model))
         if mesh is not None:
-            self.context = context_group(mesh, self.hf_model, self.packing.needs.position_bias, self.hparams)
+            self.context = context_group(mesh, self.hf_model, self.packing, self.hparams)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint of another model in one line, before Lightning loads its weights (a size mismatch
@@ -363,8 +363,9 @@ class PackedCausalLM(LightningModule):
             self._check_isolation(batch)
 
     def _check_isolation(self, batch: Mapping[str, Any]) -> None:
+        group = torch.distributed.group.WORLD if self.trainer.world_size > 1 else None  # all stop if one fails
         with self.forward_context(), named_model_settings():
-            diff = check_isolation(self.model, batch, self.attn_backend, context=self.context)
+            diff = check_isolation(self.model, batch, self.attn_backend, context=self.context, group=group)
         log.info("isolation self-test passed: attn_backend=%s, max abs logit diff %.3g", self.attn_backend, diff)
         self._isolation_pending = False
 
@@ -374,7 +375,6 @@ class PackedCausalLM(LightningModule):
         return trainer.precision_plugin.forward_context() if trainer is not None else contextlib.nullcontext()
 
     # Steps: the loss, the optimizer step's guards, evaluation
-
     def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """Logits (B, T, V) of a packed or padded batch. Never uses a KV cache: a cache disables isolation."""
         return self.model(**model_inputs(batch), use_cache=False).logits

@@ -230,22 +230,25 @@ class _GatherTokens(torch.autograd.Function):
 
 def gather_tokens(key: torch.Tensor, value: torch.Tensor, context: ContextGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's keys and values (T_local, Hkv, D) as one (size x T_local, Hkv, D) pair: one collective when
-    their head dims match (concatenated over heads), two otherwise."""
+    their head dims match (concatenated over heads), two otherwise; a group of one (the construction probe's) is
+    the tokens themselves."""
+    if context.size == 1:
+        return key, value
     if key.shape[-1] == value.shape[-1]:
         both = _GatherTokens.apply(torch.cat([key, value], dim=1), context.group)
         return both[:, : key.shape[1]], both[:, key.shape[1] :]
     return _GatherTokens.apply(key, context.group), _GatherTokens.apply(value, context.group)
 
 
-def context_group(mesh: Any, model: torch.nn.Module, position_bias: bool, settings: Mapping[str, Any]):
+def context_group(mesh: Any, model: torch.nn.Module, packing: Any, settings: Mapping[str, Any]):
     """This rank's `ContextGroup` on a device mesh with a context-parallel dim of several ranks (checked by
-    `check_context_parallel` first, said once in the log), else None."""
+    `check_context_parallel` first, said once in the log, with what `pack_model` found: `packing`), else None."""
     from lit_packing.models.sharding import CONTEXT_PARALLEL, context_parallel_size
 
     size = context_parallel_size(mesh)
     if size <= 1:
         return None
-    check_context_parallel(size, model, position_bias, settings)
+    check_context_parallel(size, model, packing.needs.position_bias, settings, packing.keyed)
     ranks = mesh[CONTEXT_PARALLEL]
     if dist.get_rank() == 0:
         log.info("context parallel: each pack's tokens split over %d ranks, keys and values all-gathered in every "
@@ -253,13 +256,21 @@ def context_group(mesh: Any, model: torch.nn.Module, position_bias: bool, settin
     return ContextGroup(ranks.get_group(), size, ranks.get_local_rank())
 
 
-def check_context_parallel(size: int, model: torch.nn.Module, position_bias: bool, settings: Mapping[str, Any]) -> None:
-    """Refuse in one line what cannot be split over `size` context-parallel ranks yet: non-attention token
-    mixers (a state-space scan or a convolution would pass its state from rank to rank), a position bias over the
-    pack's (query, key) pairs, preference objectives, `loss_normalization: sequence` (a document's mean would span
-    ranks) and `compile` (not measured). `settings`: the model's hyperparameters."""
+def check_context_parallel(
+    size: int, model: torch.nn.Module, position_bias: bool, settings: Mapping[str, Any], keyed: bool = True
+) -> None:
+    """Refuse in one line what cannot be split over `size` context-parallel ranks yet: attention layers that do not
+    hand the attention function `key_index` and the group (`keyed`: the construction probe's `Probe.keyed`; each
+    rank would attend its own keys with the boundaries of the gathered ones), non-attention token mixers (a
+    state-space scan or a convolution would pass its state from rank to rank), a position bias over the pack's
+    (query, key) pairs, preference objectives, `loss_normalization: sequence` (a document's mean would span ranks)
+    and `compile` (not measured). `settings`: the model's hyperparameters."""
     if size <= 1:
         return
+    if not keyed:
+        raise ConfigError(CP_SIZE_SETTING, f"{size}: {type(model).__name__}'s attention layers do not hand the "
+                          "attention function key_index and the context group (the construction probe passed "
+                          "them), so a rank would attend its own keys only", "set it to 1 for this model")  # fmt: skip
     from lit_packing.models.mixers import find_mixers
 
     fix = "set it to 1 for this model"

@@ -11,7 +11,9 @@ shapes); so rank 0 holds its shards and one other rank's block, every other rank
 otherwise (tensor parallel's columns) is gathered whole on every rank, written and dropped.
 
 A tied head is written once, under the embeddings' name, as `save_pretrained` writes it; a LoRA model's adapters
-alone are gathered and saved by peft. Non-finite weights are refused before anything is written.
+alone are gathered and saved by peft. Non-finite weights are refused before anything is written. A write that fails
+on rank 0 (a full disk) does not leave the senders blocked: rank 0 goes on receiving without writing, and every rank
+raises at the end (`agree.agreed`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lit_packing.errors import TrainingError
+from lit_packing.agree import agreed
+from lit_packing.errors import ConfigError, TrainingError
 from lit_packing.models.sharding import is_sharded
 from lit_packing.models.weights import apply_umask, check_finite_weights
 
@@ -75,36 +78,56 @@ def export_sharded(model: torch.nn.Module, path: str, tokenizer=None, file_bytes
     _check_finite_shards(model, path)
     if hasattr(model, "get_base_model"):  # LoRA: the adapters only, small: gathered whole, saved by peft
         adapters = {name: _whole(p) for name, p in model.state_dict().items() if ".lora_" in name}
-        if rank0:
-            model.save_pretrained(path, state_dict={name: t.cpu() for name, t in adapters.items()})
-            finish_folder(path, tokenizer)
+        with agreed():
+            if rank0:
+                model.save_pretrained(path, state_dict={name: t.cpu() for name, t in adapters.items()})
+                finish_folder(path, tokenizer)
         return
     files = file_plan(model, file_bytes)
     folder = Path(path)
+    # Rank 0 writes what the others send it. Should a write fail there (a full disk, a folder it may not write), it
+    # keeps receiving without writing, so no sender is left blocked in a send, and every rank raises at the end.
+    error: Exception | None = None
     if rank0:
-        folder.mkdir(parents=True, exist_ok=True)
-        for stale in folder.glob("model*.safetensors"):  # a previous export's files would mix into this one
-            stale.unlink()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for stale in folder.glob("model*.safetensors"):  # a previous export's files would mix into this one
+                stale.unlink()
+        except OSError as raised:
+            error = raised
     params, weight_map, total = dict(model.named_parameters()), {}, 0
     for index, names in enumerate(files, start=1):
         name = "model.safetensors" if len(files) == 1 else f"model-{index:05d}-of-{len(files):05d}.safetensors"
-        with SafetensorsStream(folder / name, {key: params[key] for key in names}) if rank0 else _nothing() as out:
+        with contextlib.ExitStack() as stack:
+            out = None
+            if rank0 and error is None:
+                try:
+                    out = stack.enter_context(SafetensorsStream(folder / name, {key: params[key] for key in names}))
+                except OSError as raised:
+                    error = raised
             for key in names:
                 blocks = _rows_on_rank0(params[key])  # every rank runs it through: it sends its block in turn
-                if out is not None:
-                    out.write_rows(key, blocks)
-                else:
-                    collections.deque(blocks, maxlen=0)
+                if out is not None and error is None:
+                    try:
+                        out.write_rows(key, blocks)
+                    except (OSError, ValueError) as raised:
+                        error = raised
+                        stack.pop_all().close()  # incomplete: `SafetensorsStream` removes its partial file
+                collections.deque(blocks, maxlen=0)  # what is left of it still received (and sent)
         weight_map.update(dict.fromkeys(names, name))
         total += sum(params[key].numel() * params[key].element_size() for key in names)
-    if rank0:
-        if len(files) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        model.config.save_pretrained(path)
-        if getattr(model, "generation_config", None) is not None and model.can_generate():
-            model.generation_config.save_pretrained(path)
-        finish_folder(path, tokenizer)
+    with agreed():
+        if error is not None:
+            raise ConfigError("model.export_dir", f"could not write {path}: {error}",
+                              "free space there or set it to another folder") from error  # fmt: skip
+        if rank0:
+            if len(files) > 1:
+                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            model.config.save_pretrained(path)
+            if getattr(model, "generation_config", None) is not None and model.can_generate():
+                model.generation_config.save_pretrained(path)
+            finish_folder(path, tokenizer)
 
 
 class SafetensorsStream:
@@ -166,11 +189,6 @@ class SafetensorsStream:
             self.partial.replace(self.path)
         else:
             self.partial.unlink(missing_ok=True)
-
-
-@contextlib.contextmanager
-def _nothing() -> Iterator[None]:
-    yield None
 
 
 def pretrained_tokenizer(name_or_path: str):

@@ -18,6 +18,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from lit_packing.agree import agreed
 from lit_packing.assets import resolve_pretrained
 from lit_packing.errors import ConfigError, check_range
 from lit_packing.models.attention import attn_implementation
@@ -331,7 +332,8 @@ def fill_models(hp, models: list[torch.nn.Module], strategy, seed: int) -> Packi
     calls it."""
     with host_memory_returned():
         device, start = strategy.root_device, time.perf_counter()
-        folder = None if hp["model_config"] is not None else local_folder(resolve_pretrained(hp["name_or_path"]))
+        with agreed():  # a download failing on one rank stops every rank, not just that one (then dcp.load hangs)
+            folder = None if hp["model_config"] is not None else local_folder(resolve_pretrained(hp["name_or_path"]))
         weights = Weights(hp["name_or_path"], folder, strategy.broadcast(seed))
         for model in models:
             materialize(model, device, weights)

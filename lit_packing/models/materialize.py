@@ -37,6 +37,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import PreTrainedModel
 
+from lit_packing.agree import agreed
 from lit_packing.errors import AssetError, ConfigError
 
 _DEFERRED = contextvars.ContextVar("lit_packing_deferred_weights", default=False)
@@ -192,9 +193,10 @@ def load_slices(model: torch.nn.Module, weights: Weights) -> set[str]:
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     folder = Path(weights.folder)
-    stored = stored_shapes(folder, weights.name)
     wanted = checkpoint_names(model)
-    check_names(stored, {name: tuple(p.shape) for name, p in wanted.items()}, weights.name, _tied_aliases(model))
+    with agreed():  # a folder one rank cannot read stops every rank, not just that one (the others in dcp.load)
+        stored = stored_shapes(folder, weights.name)
+        check_names(stored, {name: tuple(p.shape) for name, p in wanted.items()}, weights.name, _tied_aliases(model))
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     dcp.load(dict(wanted), storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not distributed)
     ids = {id(p) for p in wanted.values()}

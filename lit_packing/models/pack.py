@@ -17,12 +17,15 @@ their packed models here.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
 from lit_packing._compat import attn_implementation_of, can_set_attn_implementation
+from lit_packing.batch import KEY_INDEX
 from lit_packing.errors import ConfigError
 from lit_packing.models.attention import admit, attn_implementation
 from lit_packing.models.backends import (
@@ -62,6 +65,8 @@ class Packing:
         device: the device `backend` was resolved for.
         needs: what the model asks of attention (softcap, sinks, windows, ...).
         keywords: what its layers hand the attention function (the probe's record).
+        keyed: every attention layer hands on `key_index` and the context group (shared prompts and context
+            parallelism need both; the probe's record).
         mixers: each non-attention token mixer's route and why (empty for an attention-only model).
         mixer_choice: the routes asked for (`auto`, `kernel`, `per_example`), decided again by `route_mixers`.
     """
@@ -71,6 +76,7 @@ class Packing:
     device: torch.device
     needs: AttentionNeeds
     keywords: frozenset[str] = frozenset()
+    keyed: bool = False
     mixers: list[MixerRoute] = field(default_factory=list)
     mixer_choice: MixerChoice = "auto"
 
@@ -158,9 +164,11 @@ def pack_model(
     chosen = _resolve(backend, device, needs)
     hf.set_attn_implementation(attn_implementation(chosen))
     admit(probe.attention)
+    if not probe.keyed:
+        _refuse_key_index(hf)
     if routes:
         log.info(describe_routes(routes))
-    return Packing(backend, chosen, device, needs, probe.keywords, routes, mixers)
+    return Packing(backend, chosen, device, needs, probe.keywords, probe.keyed, routes, mixers)
 
 
 def _probe_routes(hf: PreTrainedModel, device: torch.device, choice: MixerChoice, check: bool):
@@ -195,6 +203,26 @@ def confirm_routes(
                               "set {mixers}=auto") from None  # fmt: skip
         fall_back(routes, f"its packed kernels were not exact on {device}: {error.problem[:300]}")
         return probe_packing(hf, check=check)
+
+
+# Models whose attention layers drop `key_index` (the probe's `keyed`), hooked once to refuse a batch that brings it.
+_UNKEYED: weakref.WeakSet = weakref.WeakSet()
+
+
+def _refuse_key_index(hf: PreTrainedModel) -> None:
+    """A model whose attention layers do not hand `key_index` on refuses, before its forward and in one line, a
+    batch of shared prompts: its continuations would attend their own keys with boundaries counting the prompt's."""
+    if hf in _UNKEYED:
+        return
+    _UNKEYED.add(hf)
+
+    def refuse(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if kwargs.get(KEY_INDEX) is not None:
+            raise ConfigError("data.collator.init_args.share_prompt", f"{type(module).__name__}'s attention layers do "
+                              "not hand key_index (each continuation's prompt keys) to the attention function",
+                              "set {share_prompt}=false for this model")  # fmt: skip
+
+    hf.register_forward_pre_hook(refuse, with_kwargs=True)
 
 
 def check_packing_support(lm: PreTrainedModel) -> None:

@@ -1,13 +1,16 @@
 """The construction probe: before a model trains packed, one tiny packed forward on the device it is built on,
 with a recording attention, tells what its layers hand attention and whether examples stay apart in every layer.
 
-    found = probe_packing(model)     # Probe(keywords=frozenset({...}), attention=[modules that called attention])
+    found = probe_packing(model)     # Probe(keywords=frozenset({...}), attention=[modules...], keyed=True)
 
 Refused in one line each, naming the model and the module or keyword: a keyword no packed backend implements, a
 packed forward that raises, and packed logits that differ from each example run alone (`selftest.find_leak`
-names the module that lets them see each other). What it learns goes back to the caller (`pack_model`), which
-hands it on explicitly: the keywords to `backends.attention_needs`, the attention modules to
-`attention.admit`.
+names the module that lets them see each other). A second forward hands the model `key_index` (the identity) and
+a context group of one, which change nothing, and records whether every attention layer passed both on to the
+attention function: shared prompts and context parallelism pick each segment's keys with them, and a layer that
+drops them would attend a shorter key set with longer boundaries. What it learns goes back to the caller
+(`pack_model`), which hands it on explicitly: the keywords to `backends.attention_needs`, the attention modules to
+`attention.admit`, `keyed` to the context-parallel and shared-prompt checks.
 """
 
 from __future__ import annotations
@@ -18,9 +21,19 @@ from typing import Any, NamedTuple
 import torch
 from transformers import PreTrainedModel
 
-from lit_packing.batch import CU_SEQ_LENS_K, CU_SEQ_LENS_Q, INPUT_IDS, MAX_LENGTH_K, MAX_LENGTH_Q, POSITION_IDS
+from lit_packing.batch import (
+    CONTEXT,
+    CU_SEQ_LENS_K,
+    CU_SEQ_LENS_Q,
+    INPUT_IDS,
+    KEY_INDEX,
+    MAX_LENGTH_K,
+    MAX_LENGTH_Q,
+    POSITION_IDS,
+)
 from lit_packing.errors import ConfigError
 from lit_packing.models.attention import HONOURED_KEYWORDS, INERT_KEYWORDS, PROBE_NAME, register_probe
+from lit_packing.models.context import ContextGroup
 from lit_packing.models.selftest import (
     ISOLATION_RTOL,
     PADDED_FIX,
@@ -33,10 +46,12 @@ from lit_packing.models.selftest import (
 
 
 class Probe(NamedTuple):
-    """What the probe learned: the keywords the model's layers hand attention, and its attention modules."""
+    """What the probe learned: the keywords the model's layers hand attention, its attention modules, and whether
+    every one of them hands on `key_index` and the context group (`keyed`)."""
 
     keywords: frozenset[str]
     attention: list[torch.nn.Module]
+    keyed: bool = False
 
 
 @torch.no_grad()
@@ -95,7 +110,23 @@ def probe_packing(model: PreTrainedModel, check: bool = True) -> Probe:
             "implement: its attention would be computed without it",
             "choose a model whose attention the backends implement (the families table in docs/model.md)",
         )
-    return Probe(frozenset(seen - {PROBE_NAME}), list({id(m): m for m in attention}.values()))
+    modules = list({id(m): m for m in attention}.values())
+    return Probe(frozenset(seen - {PROBE_NAME}), modules, _hands_on_keys(model, small, modules))
+
+
+def _hands_on_keys(model: PreTrainedModel, small: Mapping[str, Any], modules: list[torch.nn.Module]) -> bool:
+    """Whether every attention module hands the attention function `key_index` and the context group: one more
+    packed forward with both (the identity index, a group of one). A model that cannot run that forward (token
+    mixers that cannot fork their state after a prompt, a position bias over the row) is not keyed."""
+    each: dict[int, set[str]] = {}
+    keyed = {**small, KEY_INDEX: torch.arange(small[INPUT_IDS].shape[1], device=model.device),
+             CONTEXT: ContextGroup(None, 1, 0)}  # fmt: skip
+    try:
+        with attn_implementation_set(model, register_probe(set(), [], each)):
+            model(**keyed, use_cache=False)
+    except Exception:  # what it is said where the route is asked for (`refuse_shared_prompt`, the checks)
+        return False
+    return bool(modules) and all({KEY_INDEX, CONTEXT} <= each.get(id(m), set()) for m in modules)
 
 
 def _refuse_packed_error(model: PreTrainedModel, ids: torch.Tensor, error: Exception, running: list[str]) -> None:

@@ -19,6 +19,7 @@ import torch
 from transformers import PreTrainedModel
 
 from lit_packing._compat import attn_implementation_of, supports_sdpa
+from lit_packing.agree import agreed, any_rank
 from lit_packing.batch import (
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
@@ -115,6 +116,7 @@ def check_isolation(
     reference: str | None = None,
     rtol: float | None = None,
     context: ContextGroup | None = None,
+    group: Any = None,
 ) -> float:
     """Packed forward of the model as configured == forward of each example alone; raise otherwise.
 
@@ -131,12 +133,16 @@ def check_isolation(
             computed in (ISOLATION_RTOL): the autocast / parameter dtype, or the attention kernel's where lower.
         context: context parallel: the packed forward runs dealt over the group (`context.deal`), its logits
             gathered back into the pack's order; every rank of the group calls it with the same batch.
+        group: the ranks that run it together (a process group; `torch.distributed.group.WORLD` for all), each on
+            its own batch: a failure on any of them stops them all at once (`agree`), and all run the search for
+            the leaking module, so a sharded model's collectives stay matched. None: this process alone.
 
     Returns:
         The max abs difference of the logits.
 
     Raises:
-        IsolationError: naming the backend, the difference and the tolerance.
+        IsolationError: naming the backend, the difference and the tolerance (on the ranks where it failed;
+            `agree.RankError` naming the first of them on the others).
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     small = sample_packed(batch, vocab_size=base.config.get_text_config().vocab_size)
@@ -161,13 +167,16 @@ def check_isolation(
     dtype = compute_dtype(backend, model_compute_dtype(model))  # a kernel below the model's precision: judge by it
     relative = rtol if rtol is not None else ISOLATION_RTOL.get(dtype, 5e-2)
     tol = relative * scale
-    if not diff <= tol:  # also catches nan
+    failed = not diff <= tol  # also catches nan
+    if any_rank(failed, group):  # every rank runs find_leak's forwards: a sharded model's gathers stay matched
         where = blame(find_leak(model, small, reference, relative), base)
-        raise IsolationError(
-            f"isolation self-test failed for attn_backend={backend}: packed logits differ from per-example logits "
-            f"by max abs {diff:.3g} > tolerance {tol:.3g} ({dtype}, {len(cu) - 1} examples, {cu[-1]} tokens). "
-            f"{where}; isolation_check=false switches this test off"
-        )
+    with agreed(group):
+        if failed:
+            raise IsolationError(
+                f"isolation self-test failed for attn_backend={backend}: packed logits differ from per-example "
+                f"logits by max abs {diff:.3g} > tolerance {tol:.3g} ({dtype}, {len(cu) - 1} examples, {cu[-1]} "
+                f"tokens). {where}; isolation_check=false switches this test off"
+            )
     return diff
 
 

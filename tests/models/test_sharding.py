@@ -553,3 +553,28 @@ def test_kill_9_of_a_sharded_run_then_resume_is_exact_and_exports_one_folder(tmp
     assert len(files) == 2 and (out / "model.safetensors.index.json").exists() and (out / "config.json").exists()
     tensors = {key: tensor for file in files for key, tensor in load_file(file).items()}
     assert tensors.keys() == alone.keys() and all(torch.equal(tensors[key], alone[key]) for key in alone)
+
+
+@pytest.mark.slow
+def test_a_step_that_fails_on_one_rank_stops_both_in_seconds_with_its_line(tmp_path):
+    """2 gloo ranks, one failing at each step the ranks take together (`tests/helpers/agree_ranks.py`): the isolation
+    self-test of an FSDP2 model (rank 1: its search for the leaking module runs FSDP2 forwards), the sharded export
+    (rank 0 cannot make the folder while rank 1 sends it rows), the weights of a Hub id (rank 1's cache lacks the
+    safetensors, rank 0 enters `dcp.load`). Each rank raises within seconds: the failing one its own error, the
+    other `RankError` with that line, rather than hanging in a collective the failing rank never reaches."""
+    out = tmp_path / "agree.json"
+    script = Path(__file__).parents[1] / "helpers" / "agree_ranks.py"
+    done = subprocess.run([sys.executable, str(script), json.dumps({"out": str(out)})], capture_output=True,
+                          text=True, timeout=600, env=env())  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    cases = json.loads(out.read_text())
+    failing = {"selftest": 1, "export": 0, "loading": 1}
+    own = {"selftest": "IsolationError: isolation self-test failed", "export": "ConfigError: model.export_dir: could "
+           "not write", "loading": "AssetError: model.name_or_path: lit-packing-tests/tiny-llama"}  # fmt: skip
+    for case, rank in failing.items():
+        raised, seconds = cases[case]["raised"], cases[case]["seconds"]
+        mine = raised[rank]
+        assert mine.startswith(own[case]) and "\n" not in mine, (case, raised)
+        message = mine.split(": ", 1)[1]
+        assert raised[1 - rank] == f"RankError: rank {rank}: {message}", (case, raised)
+        assert seconds < 30, (case, seconds)  # the process group's timeout is 60 s
