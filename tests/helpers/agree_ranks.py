@@ -107,6 +107,7 @@ def rank_main(settings: dict) -> None:
         results[name] = {"raised": everyone, "seconds": seconds}
     if rank == 0:
         Path(settings["out"]).write_text(json.dumps(results))
+    dist.barrier()  # neither rank tears the group down while the other still uses it
     dist.destroy_process_group()
 
 
