@@ -183,7 +183,7 @@ def step_on_rank(rank: int, size: int, folder: str, examples: list, out: str, de
         if size == 1:
             torch.save(summed.cpu(), reference)
         else:
-            one = torch.load(reference).to(where)
+            one = torch.load(reference, weights_only=True).to(where)
             loss_error = float((summed[0] - one[0]).abs() / one[0].abs())
             grad_error = float((summed[1:] - one[1:]).abs().max() / one[1:].abs().max())
         with open(out, "w") as file:
