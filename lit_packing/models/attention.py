@@ -187,16 +187,16 @@ def _attention_forward(kernel: VarlenFn, check_door: bool = True) -> Callable:
         if packed and check_door and not torch.compiler.is_compiling() and module not in _PACKED_BY_DOOR:
             refuse_unpacked(module)
         q, k, v = (x.transpose(1, 2).reshape(batch * seq, x.shape[1], x.shape[3]) for x in (query, key, value))
-        if context is not None:  # context parallel: every rank's keys, then `key_index` picks each piece's own
-            k, v = gather_tokens(k, v, context)
-        if key_index is not None:  # each segment's keys: a shared prompt's then its own, or a dealt piece's document
-            if position_bias is not None:
-                raise ConfigError(
-                    "data.collator.init_args.share_prompt",
-                    f"{type(module).__name__} adds a position bias over the row's (query, key) pairs, which gathered "
-                    "keys do not have",
-                    "set {share_prompt}=false for this model",
-                )
+        if key_index is not None and position_bias is not None:
+            raise ConfigError(
+                "data.collator.init_args.share_prompt",
+                f"{type(module).__name__} adds a position bias over the row's (query, key) pairs, which gathered "
+                "keys do not have",
+                "set {share_prompt}=false for this model",
+            )
+        if context is not None:  # context parallel: every rank's keys, then `key_index` picks each piece's document
+            k, v = gather_tokens(k, v, context, key_index)
+        elif key_index is not None:  # shared prompts: each segment's keys, its prompt's then its own
             k, v = k.index_select(0, key_index), v.index_select(0, key_index)
         extras = {}
         if sink is not None:  # per token and head: (B * T, H)

@@ -13,7 +13,8 @@ predicts label t + 1) gives each token its own target on every rank, and a docum
 as in the pack.
 
 In every attention layer the keys and values are all-gathered over the group (`gather_tokens`: key/value heads
-only, so grouped-query attention moves fewer bytes; its backward reduce-scatters their gradients), and each
+only, so grouped-query attention moves fewer bytes; its backward sums and reduce-scatters their gradients in
+fp32), and each
 rank's piece of a document attends that document's keys from its start up to the piece's end: `key_index` picks
 them, per piece `cu_seq_lens_q` / `cu_seq_lens_k`, causality aligned bottom-right; the route shared prompts take
 through every backend (flash_attn, torch_varlen, per_example, sdpa_mask). The rest of a decoder is per token. The
@@ -210,34 +211,45 @@ def spread(cu: list[int] | np.ndarray, size: int) -> tuple[float, float]:
 
 
 class _GatherTokens(torch.autograd.Function):
-    """All-gather along the token dim over a group; the backward reduce-scatters (sums) the gradients back."""
+    """All-gather along the token dim over a context group, then the rows `index` picks. The backward sums the
+    picked rows' gradients into the gathered rows and reduce-scatters them back to their ranks, both in fp32, then
+    casts once to the input's dtype: a document's first keys are picked by every later piece of it, and summing
+    those many terms in bf16 (autocast's activation dtype) would round at every addition."""
 
     @staticmethod
-    def forward(ctx, tokens: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        size = dist.get_world_size(group)
-        out = tokens.new_empty((size * tokens.shape[0], *tokens.shape[1:]))
-        dist.all_gather_single(out, tokens.contiguous(), group=group)
-        return out
+    def forward(ctx, tokens: torch.Tensor, context: ContextGroup, index: torch.Tensor) -> torch.Tensor:
+        ctx.context, ctx.rows = context, tokens.shape[0]
+        ctx.save_for_backward(index)
+        gathered = tokens
+        if context.size > 1:
+            gathered = tokens.new_empty((context.size * tokens.shape[0], *tokens.shape[1:]))
+            dist.all_gather_single(gathered, tokens.contiguous(), group=context.group)
+        return gathered.index_select(0, index)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        size = dist.get_world_size(ctx.group)
-        out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
-        dist.reduce_scatter_single(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
-        return out, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (index,) = ctx.saved_tensors
+        size = ctx.context.size
+        summed = grad.new_zeros((size * ctx.rows, *grad.shape[1:]), dtype=torch.float32)
+        summed.index_add_(0, index, grad.float())
+        if size > 1:
+            mine = summed.new_empty((ctx.rows, *grad.shape[1:]))
+            dist.reduce_scatter_single(mine, summed, op=dist.ReduceOp.SUM, group=ctx.context.group)
+            summed = mine
+        return summed.to(grad.dtype), None, None
 
 
-def gather_tokens(key: torch.Tensor, value: torch.Tensor, context: ContextGroup) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's keys and values (T_local, Hkv, D) as one (size x T_local, Hkv, D) pair: one collective when
-    their head dims match (concatenated over heads), two otherwise; a group of one (the construction probe's) is
-    the tokens themselves."""
-    if context.size == 1:
-        return key, value
+def gather_tokens(
+    key: torch.Tensor, value: torch.Tensor, context: ContextGroup, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's keys and values (T_local, Hkv, D) gathered over the group (one collective when their head dims
+    match, concatenated over heads; two otherwise), then the rows `index` (`key_index`) picks: each piece's
+    document from its start (`_GatherTokens`, whose backward sums in fp32). A group of one (the construction
+    probe's) gathers nothing."""
     if key.shape[-1] == value.shape[-1]:
-        both = _GatherTokens.apply(torch.cat([key, value], dim=1), context.group)
+        both = _GatherTokens.apply(torch.cat([key, value], dim=1), context, index)
         return both[:, : key.shape[1]], both[:, key.shape[1] :]
-    return _GatherTokens.apply(key, context.group), _GatherTokens.apply(value, context.group)
+    return _GatherTokens.apply(key, context, index), _GatherTokens.apply(value, context, index)
 
 
 def context_group(mesh: Any, model: torch.nn.Module, packing: Any, settings: Mapping[str, Any]):

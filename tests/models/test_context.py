@@ -204,6 +204,30 @@ def test_the_memory_estimate_counts_a_ranks_share_of_the_pack_and_the_keys_it_ga
     assert "1/2 of the pack" in halves.estimate(step).summary()
 
 
+def test_the_keys_gradients_are_summed_in_fp32_once_cast():
+    """A document's first keys are picked by every later piece of it (`key_index`): under bf16-mixed their
+    gradients are many bf16 terms. `gather_tokens`' backward sums them in fp32 and casts once (what a bf16 sum, as
+    index_select's own backward does, rounds at every addition); on one rank here, over the group on several (the
+    CPU ranks' tests below). Keys and values share one gather when their head dims match."""
+    from lit_packing.models.context import ContextGroup, gather_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(8, 2, 4, generator=gen).bfloat16().requires_grad_()
+    value = torch.randn(8, 2, 4, generator=gen).bfloat16().requires_grad_()
+    index = torch.cat([torch.zeros(300, dtype=torch.long), torch.arange(8)])  # key 0 picked 301 times
+    k, v = gather_tokens(key, value, ContextGroup(None, 1, 0), index)
+    assert torch.equal(k, key.detach()[index]) and torch.equal(v, value.detach()[index])
+    grad_k, grad_v = (torch.randn(len(index), 2, 4, generator=gen).bfloat16() for _ in range(2))
+    torch.autograd.backward([k, v], [grad_k, grad_v])
+    for leaf, grad in ((key, grad_k), (value, grad_v)):
+        exact = torch.zeros(8, 2, 4).index_add_(0, index, grad.float()).bfloat16()
+        assert torch.equal(leaf.grad, exact)
+        rounded = torch.zeros(2, 4, dtype=torch.bfloat16)
+        for term in grad[index == 0]:  # a bf16 sum (GPU atomics, a bf16 reduce-scatter) rounds at each addition
+            rounded = rounded + term
+        assert not torch.equal(rounded, exact[0])  # and differs: the test can tell
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # CPU ranks
 
