@@ -178,11 +178,29 @@ def test_a_state_space_mixer_or_a_position_bias_is_refused_by_name():
 @pytest.mark.parametrize("cp, tp, devices, fine", [(2, 1, 2, True), (2, 2, 4, True), (3, 1, 2, False),
                                                     (2, 2, 2, False)])  # fmt: skip
 def test_the_mesh_sizes_must_make_the_world_or_are_refused_naming_the_setting(cp, tp, devices, fine):
+    """Sizes that make the world build the 3-D mesh (data x context x tensor parallel; here over torch's fake
+    process group of `devices` ranks held by this process); others are refused naming the setting."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.accelerators import CPUAccelerator
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lit_packing.strategies import MESH_DIMS
+
     strategy = ShardedStrategy(context_parallel_size=cp, tensor_parallel_size=tp)
     strategy.parallel_devices = [torch.device("cpu")] * devices
     strategy.num_nodes = 1
     if fine:
-        return  # the mesh itself is built on real ranks (the slow tier)
+        strategy.accelerator, strategy.cluster_environment = CPUAccelerator(), LightningEnvironment()
+        strategy.connect(LightningModule())
+        torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=devices)
+        try:
+            strategy.setup_environment()
+            mesh = strategy.device_mesh
+            assert mesh.mesh_dim_names == MESH_DIMS and tuple(mesh.shape) == (devices // (cp * tp), cp, tp)
+        finally:
+            torch.distributed.destroy_process_group()
+        return
     with pytest.raises(ConfigError, match=f"{CP_SIZE_SETTING}: {cp} with .* is not the {devices} ranks"):
         strategy.setup_environment()
     with pytest.raises(ConfigError, match="not a number of ranks"):
