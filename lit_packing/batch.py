@@ -38,17 +38,19 @@ SOURCE_TOKENS = "source_tokens"  # host list of a streamed batch: real tokens of
 KEY_LENGTHS = "key_lengths"  # host list beside `lengths` when prompts are shared: the keys each segment attends
 WINDOW = "window"  # host dict of a streamed batch: its window's number, examples, fill, data wait so far
 PACKED_KEYS = (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, SEQ_IDX)
-# Shared prompts (`PairCollator(share_prompt=True)`): the keys of every segment of `cu_seq_lens_q` are gathered
-# from the row, segment by segment, by `KEY_INDEX` (Tk,) int64 (a continuation's: its prompt's tokens, then its
-# own), and `cu_seq_lens_k` / `max_length_k` describe them; causality is bottom-right aligned, as in FlashAttention.
+# Which keys each segment of `cu_seq_lens_q` attends, in the two layouts (`cu_seq_lens_k` / `max_length_k` describe
+# them; causality is bottom-right aligned, as in FlashAttention); every attention kernel reads the picked keys:
+# - Shared prompts (`PairCollator(share_prompt=True)`): `KEY_INDEX` (Tk,) int64 into this row's tokens (a
+#   continuation's: its prompt's tokens, then its own).
+# - Context parallelism (`models.context.deal`): `GATHERED_INDEX` (Tk,) int64 into the keys all-gathered over the
+#   group `CONTEXT` (a `ContextGroup`; rank-major, each rank's row in turn): each piece's document from its start.
 KEY_INDEX = "key_index"
-# Context parallelism (`models.context.deal`): the group (`ContextGroup`) whose ranks share one pack; a dealt batch
-# carries it, with `KEY_INDEX` into the keys all-gathered over it, and every attention layer gathers over it.
+GATHERED_INDEX = "gathered_index"
 CONTEXT = "context"
 # What a transformers model reads of a batch (packed or padded); the rest is for the loss and the callbacks.
 MODEL_KEYS = (
     INPUT_IDS, ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, KEY_INDEX,
-    CONTEXT,
+    GATHERED_INDEX, CONTEXT,
 )  # fmt: skip
 TRUNCATED_TOKENS = "truncated_tokens"  # an example's tokens cut by the overlong policy (a tokenized column)
 # Preference pairs: a tokenized pair is one item, its chosen sequence's tokens first (`CHOSEN_TOKENS` of them), then

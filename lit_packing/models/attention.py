@@ -17,7 +17,7 @@ segment (a continuation's: its prompt's, then its own) and every kernel attends 
 every key): FlashAttention's own convention for fewer queries than keys, and the per-example kernels' masks.
 
 Context parallel (`CONTEXT`, a batch `context.deal` made): the keys and values are first all-gathered over the
-context-parallel group, then picked by `key_index` the same way, each rank's piece of a document attending that
+context-parallel group, then picked by `gathered_index` the same way, each rank's piece of a document attending that
 document's keys up to its own last token.
 """
 
@@ -37,6 +37,7 @@ from lit_packing.batch import (
     CONTEXT,
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
+    GATHERED_INDEX,
     KEY_INDEX,
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
@@ -94,7 +95,8 @@ def register_backends() -> None:
 # What the packed backends do with each keyword a model's layers hand the attention function: honoured, or
 # without effect on the result. Anything else is refused at construction (`probe.probe_packing`).
 HONOURED_KEYWORDS = frozenset({
-    ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, KEY_INDEX, CONTEXT,
+    ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, KEY_INDEX, GATHERED_INDEX,
+    CONTEXT,
     "dropout", "scaling", "sliding_window", "softcap", "is_causal", "s_aux", "sinks", "position_bias",
 })  # fmt: skip
 INERT_KEYWORDS = frozenset({
@@ -159,6 +161,7 @@ def _attention_forward(kernel: VarlenFn, check_door: bool = True) -> Callable:
         sinks: torch.Tensor | None = None,
         position_bias: torch.Tensor | None = None,
         key_index: torch.Tensor | None = None,
+        gathered_index: torch.Tensor | None = None,
         context: ContextGroup | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
@@ -194,8 +197,8 @@ def _attention_forward(kernel: VarlenFn, check_door: bool = True) -> Callable:
                 "keys do not have",
                 "set {share_prompt}=false for this model",
             )
-        if context is not None:  # context parallel: every rank's keys, then `key_index` picks each piece's document
-            k, v = gather_tokens(k, v, context, key_index)
+        if context is not None:  # context parallel: every rank's keys, `gathered_index` picks each piece's document
+            k, v = gather_tokens(k, v, context, gathered_index)
         elif key_index is not None:  # shared prompts: each segment's keys, its prompt's then its own
             k, v = k.index_select(0, key_index), v.index_select(0, key_index)
         extras = {}

@@ -15,8 +15,8 @@ as in the pack.
 In every attention layer the keys and values are all-gathered over the group (`gather_tokens`: key/value heads
 only, so grouped-query attention moves fewer bytes; its backward sums and reduce-scatters their gradients in
 fp32), and each
-rank's piece of a document attends that document's keys from its start up to the piece's end: `key_index` picks
-them, per piece `cu_seq_lens_q` / `cu_seq_lens_k`, causality aligned bottom-right; the route shared prompts take
+rank's piece of a document attends that document's keys from its start up to the piece's end: `gathered_index`
+picks them, per piece `cu_seq_lens_q` / `cu_seq_lens_k`, causality aligned bottom-right; the route shared prompts take
 through every backend (flash_attn, torch_varlen, per_example, sdpa_mask). The rest of a decoder is per token. The
 parameters' gradients are summed over the data x context ranks (FSDP2 shards over both), and the loss is divided by
 the optimizer step's label count, as without context parallelism: the losses and the weights are one process's.
@@ -37,6 +37,7 @@ from lit_packing.batch import (
     CONTEXT,
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
+    GATHERED_INDEX,
     IGNORE_INDEX,
     INPUT_IDS,
     KEY_INDEX,
@@ -121,7 +122,7 @@ def deal_of(pieces: list[list[tuple[int, int, int]]]) -> Deal:
 
 def deal(batch: Mapping[str, Any], context: ContextGroup | int, rank: int | None = None) -> dict[str, Any]:
     """This rank's part of a packed one-row batch (the module docstring): its tokens, positions and targets, the
-    padding after them, its pieces' `cu_seq_lens_q` / `cu_seq_lens_k` and `key_index` into the all-gathered keys,
+    padding after them, its pieces' `cu_seq_lens_q` / `cu_seq_lens_k` and `gathered_index` into the all-gathered keys,
     and the group the attention gathers over (`CONTEXT`). Host-side values (`counts`, `step`, `lengths`, `rows`)
     are the pack's: callbacks count each token once. `context` may be a size, with `rank`, for a run without a
     group (what the tests compare with).
@@ -150,7 +151,7 @@ def deal(batch: Mapping[str, Any], context: ContextGroup | int, rank: int | None
         CU_SEQ_LENS_K: torch.tensor(np.cumsum([0, *lengths_k]), dtype=torch.int32, device=device),
         MAX_LENGTH_Q: max(lengths_q),
         MAX_LENGTH_K: max(lengths_k),
-        KEY_INDEX: torch.from_numpy(np.concatenate(keys)).to(device),
+        GATHERED_INDEX: torch.from_numpy(np.concatenate(keys)).to(device),
         CONTEXT: group if group.group is not None else None,
     })  # fmt: skip
     if LABELS in batch:
@@ -243,7 +244,7 @@ def gather_tokens(
     key: torch.Tensor, value: torch.Tensor, context: ContextGroup, index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's keys and values (T_local, Hkv, D) gathered over the group (one collective when their head dims
-    match, concatenated over heads; two otherwise), then the rows `index` (`key_index`) picks: each piece's
+    match, concatenated over heads; two otherwise), then the rows `index` (`gathered_index`) picks: each piece's
     document from its start (`_GatherTokens`, whose backward sums in fp32). A group of one (the construction
     probe's) gathers nothing."""
     if key.shape[-1] == value.shape[-1]:
@@ -272,7 +273,7 @@ def check_context_parallel(
     size: int, model: torch.nn.Module, position_bias: bool, settings: Mapping[str, Any], keyed: bool = True
 ) -> None:
     """Refuse in one line what cannot be split over `size` context-parallel ranks yet: attention layers that do not
-    hand the attention function `key_index` and the group (`keyed`: the construction probe's `Probe.keyed`; each
+    hand the attention function `gathered_index` and the group (`keyed`: the construction probe's `Probe.keyed`; each
     rank would attend its own keys with the boundaries of the gathered ones), non-attention token mixers (a
     state-space scan or a convolution would pass its state from rank to rank), a position bias over the pack's
     (query, key) pairs, preference objectives, `loss_normalization: sequence` (a document's mean would span ranks)
@@ -281,7 +282,7 @@ def check_context_parallel(
         return
     if not keyed:
         raise ConfigError(CP_SIZE_SETTING, f"{size}: {type(model).__name__}'s attention layers do not hand the "
-                          "attention function key_index and the context group (the construction probe passed "
+                          "attention function gathered_index and the context group (the construction probe passed "
                           "them), so a rank would attend its own keys only", "set it to 1 for this model")  # fmt: skip
     from lit_packing.models.mixers import find_mixers
 

@@ -5,12 +5,13 @@ with a recording attention, tells what its layers hand attention and whether exa
 
 Refused in one line each, naming the model and the module or keyword: a keyword no packed backend implements, a
 packed forward that raises, and packed logits that differ from each example run alone (`selftest.find_leak`
-names the module that lets them see each other). A second forward hands the model `key_index` (the identity) and
-a context group of one, which change nothing, and records whether every attention layer passed both on to the
-attention function: shared prompts and context parallelism pick each segment's keys with them, and a layer that
-drops them would attend a shorter key set with longer boundaries. What it learns goes back to the caller
-(`pack_model`), which hands it on explicitly: the keywords to `backends.attention_needs`, the attention modules to
-`attention.admit`, `keyed` to the context-parallel and shared-prompt checks.
+names the module that lets them see each other). A second forward hands the model `key_index` and
+`gathered_index` (the identity) and a context group of one, which change nothing, and records whether every
+attention layer passed them on to the attention function: shared prompts and context parallelism pick each
+segment's keys with them, and a layer that drops them would attend a shorter key set with longer boundaries.
+What it learns goes back to the caller (`pack_model`), which hands it on explicitly: the keywords to
+`backends.attention_needs`, the attention modules to `attention.admit`, `keyed` to the context-parallel and
+shared-prompt checks.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from lit_packing.batch import (
     CONTEXT,
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
+    GATHERED_INDEX,
     INPUT_IDS,
     KEY_INDEX,
     MAX_LENGTH_K,
@@ -119,14 +121,14 @@ def _hands_on_keys(model: PreTrainedModel, small: Mapping[str, Any], modules: li
     packed forward with both (the identity index, a group of one). A model that cannot run that forward (token
     mixers that cannot fork their state after a prompt, a position bias over the row) is not keyed."""
     each: dict[int, set[str]] = {}
-    keyed = {**small, KEY_INDEX: torch.arange(small[INPUT_IDS].shape[1], device=model.device),
-             CONTEXT: ContextGroup(None, 1, 0)}  # fmt: skip
+    identity = torch.arange(small[INPUT_IDS].shape[1], device=model.device)
+    keyed = {**small, KEY_INDEX: identity, GATHERED_INDEX: identity, CONTEXT: ContextGroup(None, 1, 0)}
     try:
         with attn_implementation_set(model, register_probe(set(), [], each)):
             model(**keyed, use_cache=False)
     except Exception:  # what it is said where the route is asked for (`refuse_shared_prompt`, the checks)
         return False
-    return bool(modules) and all({KEY_INDEX, CONTEXT} <= each.get(id(m), set()) for m in modules)
+    return bool(modules) and all({KEY_INDEX, GATHERED_INDEX, CONTEXT} <= each.get(id(m), set()) for m in modules)
 
 
 def _refuse_packed_error(model: PreTrainedModel, ids: torch.Tensor, error: Exception, running: list[str]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_packing.batch import CU_SEQ_LENS_K, CU_SEQ_LENS_Q, KEY_INDEX, MAX_LENGTH_K, MAX_LENGTH_Q
+from lit_packing.batch import CU_SEQ_LENS_K, CU_SEQ_LENS_Q, GATHERED_INDEX, MAX_LENGTH_K, MAX_LENGTH_Q
 from lit_packing.data.collate import PackedCollator
 from lit_packing.models.context import deal, deal_of, plan
 from lit_packing.models.kernels import flash_attn_varlen, torch_varlen
@@ -48,7 +48,7 @@ def test_dealt_pieces_on_the_gpu_kernels_give_the_whole_packs_attention(backend,
             outs = []
             for rank, rows in enumerate(padded_rows(q, dealt.tokens, dealt.slots)):
                 local = deal(batch, size, rank)
-                index = local[KEY_INDEX].cuda()
+                index = local[GATHERED_INDEX].cuda()
                 outs.append(kernel(rows, keys.index_select(0, index), values.index_select(0, index),
                                    local[CU_SEQ_LENS_Q].cuda(), local[CU_SEQ_LENS_K].cuda(), local[MAX_LENGTH_Q],
                                    local[MAX_LENGTH_K], **opts))  # fmt: skip

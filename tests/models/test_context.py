@@ -14,7 +14,16 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lit_packing.batch import CU_SEQ_LENS_K, CU_SEQ_LENS_Q, IGNORE_INDEX, INPUT_IDS, KEY_INDEX, LABELS, POSITION_IDS
+from lit_packing.batch import (
+    CU_SEQ_LENS_K,
+    CU_SEQ_LENS_Q,
+    GATHERED_INDEX,
+    IGNORE_INDEX,
+    INPUT_IDS,
+    KEY_INDEX,
+    LABELS,
+    POSITION_IDS,
+)
 from lit_packing.data.collate import PackedCollator, PairCollator
 from lit_packing.errors import ConfigError
 from lit_packing.models.context import (
@@ -90,7 +99,7 @@ def test_each_token_is_dealt_once_and_comes_back_in_place(pack, size):
         pad = dealt.slots - len(tokens)
         assert torch.diff(local[CU_SEQ_LENS_Q]).tolist() == [*q, pad]
         assert torch.diff(local[CU_SEQ_LENS_K]).tolist() == [*k, pad]
-        assert len(local[KEY_INDEX]) == int(local[CU_SEQ_LENS_K][-1])
+        assert len(local[GATHERED_INDEX]) == int(local[CU_SEQ_LENS_K][-1]) and KEY_INDEX not in local
         rows.append(torch.stack([local[INPUT_IDS][0], local[POSITION_IDS][0]], dim=1))
     assert torch.equal(dealt.undeal(rows), torch.stack([batch[INPUT_IDS][0], batch[POSITION_IDS][0]], dim=1))
 
@@ -124,7 +133,7 @@ def test_a_pieces_keys_are_its_documents_from_the_start_up_to_its_last_token(siz
     gathered = np.concatenate([np.concatenate([t, np.full(dealt.slots - len(t), -1)]) for t in dealt.tokens])
     for rank in range(size):
         local = deal(batch, size, rank)
-        keys = gathered[local[KEY_INDEX].numpy()]
+        keys = gathered[local[GATHERED_INDEX].numpy()]
         cu_k = local[CU_SEQ_LENS_K].tolist()
         for (start, _, stop), a, b in zip(pieces[rank], cu_k[:-2], cu_k[1:-1]):
             assert keys[a:b].tolist() == list(range(start, stop))

@@ -84,7 +84,7 @@ def test_attention_layers_that_drop_key_index_or_the_group_are_refused_where_tho
     with pytest.raises(ConfigError) as raised:
         check_context_parallel(2, model, False, {}, packing.keyed)
     assert str(raised.value).startswith(f"{CP_SIZE_SETTING}: 2: LlamaForCausalLM's attention layers do not hand the "
-                                        "attention function key_index and the context group")  # fmt: skip
+                                        "attention function gathered_index and the context group")  # fmt: skip
     shared = {**batch, KEY_INDEX: torch.arange(12), CU_SEQ_LENS_K: batch[CU_SEQ_LENS_K]}
     with pytest.raises(ConfigError) as raised:
         model(**shared, use_cache=False)
