@@ -149,18 +149,21 @@ def tie_to_launcher() -> None:
 
 # A rank that stopped with one of the toolkit's own errors: every rank raises it together and rank 0 prints it.
 TOOLKIT_ERROR_STATUS = 2
+# From this status up, a rank that stopped for a signal on purpose (`PreemptionCheckpoint`: 128 + its number).
+SIGNAL_STATUS = 128
 
 
 def dead_rank(procs: list, wait: float = 0.0) -> str | None:
     """Which of the ranks this process launched (`procs`: ranks 1, 2, ... as `subprocess.Popen`) died, and how:
-    "rank 1 (pid 4242) was killed by SIGKILL" or "... exited with status 3"; None while none has (a rank that
-    ended cleanly, or with the toolkit's own error status, did not die). A rank that just died may not have been
-    reaped yet when a collective on this rank fails: `wait` gives it that many seconds."""
+    "rank 1 (pid 4242) was killed by SIGKILL" or "... exited with status 1"; None while none has (a rank that
+    ended cleanly, with the toolkit's own error status, or saved and stopped for a preemption signal, did not
+    die). A rank that just died may not have been reaped yet when a collective on this rank fails: `wait` gives it
+    that many seconds."""
     deadline = time.monotonic() + wait
     while True:
         for rank, proc in enumerate(procs, start=1):
             code = proc.poll()
-            if code is not None and code not in (0, TOOLKIT_ERROR_STATUS):
+            if code is not None and (code < 0 or code not in (0, TOOLKIT_ERROR_STATUS) and code < SIGNAL_STATUS):
                 how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
                 return f"rank {rank} (pid {proc.pid}) {how}"
         if time.monotonic() >= deadline:
