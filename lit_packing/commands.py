@@ -1,6 +1,6 @@
 """The `lit-packing` command (also `python main.py` and `python -m lit_packing`): training, the report, the configs.
 
-    lit-packing fit --config quickstart          # LightningCLI: fit, validate, test, predict (as python main.py)
+    lit-packing fit --config quickstart          # LightningCLI: fit, validate, test (as python main.py)
     lit-packing report --config quickstart       # the packing report (python -m lit_packing.packing_report)
     lit-packing configs                          # the packaged configs: name, how it runs, what it is
     lit-packing export --ckpt_path CKPT --output DIR   # a sharded run's checkpoint as a Hugging Face folder
