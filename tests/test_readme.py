@@ -10,7 +10,9 @@ name, each in its own order, so that `--ckpt_path` finds the checkpoint an earli
   command inside a multi-node launcher (`torchrun`, `srun`) are checked for parse errors only (`--print_config`):
   this suite runs on CPU without network.
 - `lit-packing fit|validate|test|report ...` (the installed command): as `python main.py ...` and
-  `python -m lit_packing.packing_report ...`.
+  `python -m lit_packing.packing_report ...`; one that names the same configs and settings as a `python main.py`
+  command of the same page (a config by name, the other by path) is checked for parse errors only: that run is the
+  other's, and the installed entry point itself runs in tests/test_install.py.
 - `python -m lit_packing.packing_report ...`: run as written. `python -m benchmarks ...`: its settings parsed and
   checked (the benchmark itself runs, smoke-sized, in tests/bench/).
 - `python -m benchmarks.<name> ...`: `--help`, and every option the page passes must be one the script accepts.
@@ -189,6 +191,11 @@ def test_documented_command_runs(page, words, scratch, monkeypatch, capsys, ever
         monkeypatch.setenv(name, value)
         words = words[1:]
     if words[0] == "lit-packing":  # the installed command: the same entry as `python main.py` (tests/test_install.py)
+        if words[1] in ("fit", "validate", "test") and same_as_a_run(page, words[1:]):
+            with pytest.raises(SystemExit) as exit_info:
+                cli_main([*words[1:], "--print_config"])
+            assert exit_info.value.code in (0, None), f"{command}: {output(capsys)}"
+            return
         words = ["python", "main.py", *words[1:]] if words[1] in ("fit", "validate", "test") else words
     if words[:2] == ["lit-packing", "report"]:
         words = ["python", "-m", "lit_packing.packing_report", *words[2:]]
@@ -226,6 +233,18 @@ def test_documented_command_runs(page, words, scratch, monkeypatch, capsys, ever
         run(["make", "-n", "-C", str(ROOT), *words[1:]])
     else:
         assert " ".join(words[:2]) in NOT_RUN, f"{page}: command not checked by any rule here: {command}"
+
+
+def same_as_a_run(page: str, args: list[str]) -> bool:
+    """Whether a `python main.py` command of `page` names the same configs (by name or by path) and settings."""
+    from lit_packing.configs import resolve_config_args
+
+    def resolved(words: list[str]) -> list[str]:
+        return [str((ROOT / w).resolve()) if w.endswith(".yaml") else w for w in resolve_config_args(list(words))]
+
+    mine = resolved(args)
+    return any(words[:2] == ["python", "main.py"] and resolved(words[2:]) == mine
+               for other, words in DOCUMENTED if other == page)  # fmt: skip
 
 
 def run(argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
