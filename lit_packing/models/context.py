@@ -213,9 +213,10 @@ def spread(cu: list[int] | np.ndarray, size: int) -> tuple[float, float]:
 
 class _GatherTokens(torch.autograd.Function):
     """All-gather along the token dim over a context group, then the rows `index` picks. The backward sums the
-    picked rows' gradients into the gathered rows and reduce-scatters them back to their ranks, both in fp32, then
-    casts once to the input's dtype: a document's first keys are picked by every later piece of it, and summing
-    those many terms in bf16 (autocast's activation dtype) would round at every addition."""
+    picked rows' gradients into the gathered rows and reduce-scatters them back to their ranks, both in fp32 (or the
+    gradient's own dtype where wider), then casts once to the input's dtype: a document's first keys are picked by
+    every later piece of it, and summing those many terms in bf16 (autocast's activation dtype) would round at every
+    addition."""
 
     @staticmethod
     def forward(ctx, tokens: torch.Tensor, context: ContextGroup, index: torch.Tensor) -> torch.Tensor:
@@ -231,8 +232,9 @@ class _GatherTokens(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (index,) = ctx.saved_tensors
         size = ctx.context.size
-        summed = grad.new_zeros((size * ctx.rows, *grad.shape[1:]), dtype=torch.float32)
-        summed.index_add_(0, index, grad.float())
+        wide = torch.promote_types(grad.dtype, torch.float32)  # fp32 for half precision; fp64 stays fp64
+        summed = grad.new_zeros((size * ctx.rows, *grad.shape[1:]), dtype=wide)
+        summed.index_add_(0, index, grad.to(wide))
         if size > 1:
             mine = summed.new_empty((ctx.rows, *grad.shape[1:]))
             dist.reduce_scatter_single(mine, summed, op=dist.ReduceOp.SUM, group=ctx.context.group)
