@@ -5,10 +5,11 @@
 Every value is overridable on the command line (`--data.sampler.init_args.max_tokens=4096`); samplers, collators
 and sources are swapped by class_path, the attention backend by name (`--model.attn_backend=sdpa_mask`).
 A `LitPackingError` (bad setting, bad data, a diverged or empty run) is printed alone and exits with status 2.
-Defaults chosen for a first run: W&B (offline) + CSV logs and the resolved config in the run's folder, one
-`runs/checkpoints/last.ckpt` overwritten by each fit and written atomically (`AtomicCheckpointIO`), a preemption
-signal ending the fit at a step's end with a checkpoint and a SLURM requeue (`PreemptionCheckpoint`),
-`--ckpt_path=last` resuming from the newest complete checkpoint, progress bounded by `max_steps` (plain lines
+Defaults chosen for a first run: each fit in a folder of its own (`runs/<run_name>/version_<N>/`, `lit_packing.runs`)
+holding the resolved config, the CSV metrics and one `checkpoints/last.ckpt` rewritten atomically
+(`AtomicCheckpointIO`); W&B offline; a preemption signal ending the fit at a step's end with a checkpoint and a SLURM
+requeue (`PreemptionCheckpoint`); `--ckpt_path=last` resuming the run's newest complete checkpoint in its folder (for
+`validate` and `test`: evaluating it); progress bounded by `max_steps` (plain lines
 when output is not a terminal), validation cadence as a fraction of the run, and third-party tips and
 known-harmless warnings off.
 """
@@ -55,13 +56,20 @@ from lit_packing.data import PackingDataModule
 from lit_packing.errors import AssetError, ConfigError, LitPackingError, TrainingError
 from lit_packing.models import PackedCausalLM
 from lit_packing.models.materialize import deferred_weights
-from lit_packing.preflight import Position, check_left_to_train, preflight, read_checkpoint, read_position
+from lit_packing.preflight import (
+    Position,
+    check_left_to_train,
+    launch_shape,
+    preflight,
+    read_position,
+)
 from lit_packing.processes import dead_rank, tie_to_launcher, watch_ranks
+from lit_packing.runs import LAST_NAME, RunFolder, checkpoints_in, choose_folder, newest_complete, run_name
 from lit_packing.strategies import LIGHTNING_MODEL_PARALLEL, ShardedStrategy
 
 log = logging.getLogger("lit_packing")
-LAST_NAME = re.compile(r"last(-v?\d+)?\.ckpt")  # ModelCheckpoint's `last` file, and its versioned names
-# W&B offline (sync later with `wandb sync runs/wandb/offline-run-*`) plus a CSV file; both under runs/.
+# W&B offline (sync later with `wandb sync runs/wandb/offline-run-*`) plus a CSV file in the run's folder (their
+# names and versions are the run's: `place_loggers`).
 DEFAULT_LOGGERS = [
     {
         "class_path": "lit_packing.loggers.LazyWandbLogger",
@@ -78,7 +86,7 @@ QUIET_WARNINGS = (
     # Our model's host-side batch guard lives in `on_before_batch_transfer` on purpose (it must see every batch,
     # whatever data module feeds it); Lightning warns whenever a module defines that hook next to a data module.
     r".*overridden `on_before_batch_transfer` in `LightningModule`",
-    # LastCheckpoint overwrites runs/checkpoints/last.ckpt by design.
+    # LastCheckpoint rewrites its last.ckpt by design, and a resumed fit saves into its run's folder.
     r"Checkpoint directory .* exists and is not empty",
     # Lightning calls a torch pytree API that torch 2.13 deprecates; nothing to change on our side.
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
@@ -213,8 +221,11 @@ class PackingCLI(LightningCLI):
         settings = self.config[subcommand] if subcommand else self.config
         if "trainer" in settings:
             settings.trainer.strategy = sharded_strategy(settings.trainer.get("strategy"))
+            for key, value in launch_shape(settings.trainer, os.environ).items():
+                settings.trainer[key] = value  # the launcher's shape where the config leaves it open
         if subcommand is None:
             return
+        self.run_folder = place_run(parser, subcommand, settings)
         self.checkpoint = preflight(
             subcommand, settings.get("trainer", {}), settings.get("ckpt_path"), settings.get("data", {})
         )
@@ -235,6 +246,9 @@ class PackingCLI(LightningCLI):
         parser.add_lightning_class_args(PackingMonitor, "packing_monitor")
         parser.add_lightning_class_args(TokenThroughputMonitor, "throughput_monitor")
         parser.add_lightning_class_args(ValidationSchedule, "validation_schedule")
+        parser.add_argument("--run_name", type=str | None, default=None,
+                            help="the run's folder under trainer.default_root_dir (default: the --config names "
+                            "joined by '-'); --ckpt_path=last resumes this run")  # fmt: skip
         # One name chooses the model and its tokenizer; what the tokenizer turns out to be crosses at run time.
         parser.link_arguments("model.name_or_path", "data.tokenizer")
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
@@ -247,13 +261,15 @@ class PackingCLI(LightningCLI):
         asked = settings.get("ckpt_path")
         requeued = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
         on_slurm = SLURMEnvironment.detect() and (requeued or hpc_checkpoints(Path(self.trainer.default_root_dir)))
+        folder = self.run_folder
         if asked != "last" and not (asked is None and on_slurm):
+            log.info(f"run folder: {folder.path} (a new version of run {folder.name!r})")
             return
         path = newest_checkpoint(self.trainer)
         settings.ckpt_path = None if path is None else str(path)
         if path is None:
-            log.info(f"--ckpt_path=last: no checkpoint of this run yet under {self.trainer.default_root_dir}: "
-                     "training from the start")  # fmt: skip
+            log.info(f"--ckpt_path=last: no checkpoint of run {folder.name!r} yet under {folder.path.parent}: "
+                     f"training from the start in {folder.path}")  # fmt: skip
             return
         self.checkpoint = read_position(str(path))
         log.info(f"resuming from {path}, the newest complete checkpoint of this run: optimizer step "
@@ -275,6 +291,9 @@ class PackingCLI(LightningCLI):
                 "fit took no optimizer step (no training batch): check the data report above, "
                 "trainer.limit_train_batches and trainer.accumulate_grad_batches"
             )
+        folder = self.run_folder
+        log.info(f"run folder: {folder.path} (run {folder.name!r}); the same command with --ckpt_path=last resumes "
+                 "its newest checkpoint")  # fmt: skip
 
     def _run_subcommand(self, subcommand: str) -> None:
         """Lightning's; when a rank this process launched died, the collective that failed here (gloo's "Connection
@@ -344,34 +363,65 @@ def sharded_strategy(strategy):
     return strategy
 
 
+def place_run(parser: LightningArgumentParser, subcommand: str, settings: Namespace) -> RunFolder:
+    """Choose this launch's folder (`runs.choose_folder`) and point the trainer (`default_root_dir`) and the default
+    loggers at it; for `validate` and `test`, `--ckpt_path=last` becomes the run's newest complete checkpoint.
+
+    Raises:
+        ConfigError: `validate`/`test --ckpt_path=last` for a run that has no checkpoint.
+    """
+    trainer = settings.get("trainer") or Namespace()
+    root = Path(trainer.get("default_root_dir") or "runs")
+    name = run_name(settings.get("run_name"), settings.get("config") or [])
+    asked = settings.get("ckpt_path")
+    requeued = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0 and SLURMEnvironment.detect()
+    folder = choose_folder(root, name, resume=asked == "last" or (subcommand == "fit" and asked is None and requeued))
+    if subcommand != "fit":
+        if asked == "last":
+            newest = newest_complete(checkpoints_in(folder.path)) if folder.resumed else None
+            if newest is None:
+                raise ConfigError("--ckpt_path", f"last: run {name!r} has no checkpoint under {root / name}",
+                                  "give the checkpoint's path, or the run's --config files or --run_name")  # fmt: skip
+            settings.ckpt_path = str(newest)
+        return folder
+    if "trainer" in settings:
+        settings.trainer.default_root_dir = str(folder.path)
+        defaults = parser._subcommands_action._name_parser_map[subcommand].get_defaults()  # noqa: SLF001
+        if settings.trainer.get("logger") == defaults.trainer.get("logger"):
+            settings.trainer.logger = place_loggers(root, folder)
+    return folder
+
+
+def place_loggers(root: Path, folder: RunFolder) -> list[dict]:
+    """The default loggers, writing for `folder`: the CSV file (and the config) in it, W&B's offline run under
+    `<root>/wandb` named after it."""
+    wandb, csv = (dict(logger, init_args=dict(logger["init_args"])) for logger in DEFAULT_LOGGERS)
+    wandb["init_args"].update(save_dir=str(root), name=f"{folder.name}/{folder.path.name}")
+    csv["init_args"].update(save_dir=str(root), name=folder.name, version=folder.launch)
+    return [wandb, csv]
+
+
 def newest_checkpoint(trainer: Trainer) -> Path | None:
     """The newest (by modification time) checkpoint of the run that reads as complete, or None if there is none.
 
-    The candidates: `last*.ckpt` in the folder of each `ModelCheckpoint` with a known folder (its `dirpath`;
-    `<default_root_dir>/checkpoints` for `LastCheckpoint`) and `hpc_ckpt_<N>.ckpt` in `default_root_dir`. A
+    The candidates: those of the run's folder (`default_root_dir`: `checkpoints/last*.ckpt`, `hpc_ckpt_<N>.ckpt`)
+    and `last*.ckpt` in the folder of each other `ModelCheckpoint` with a folder of its own (its `dirpath`). A
     damaged one (empty, cut short, unreadable) is skipped with a line naming it and what is wrong. What a save
     killed part-way left is undone first (`checkpoint_io.clear_leftovers`): a partial file or folder
     (`.<name>.ckpt.partial`) is removed, a previous distributed checkpoint that had stepped aside is put back.
     """
     root = Path(trainer.default_root_dir)
-    folders = [root]
+    folders = [root, root / "checkpoints"]
     for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            folder = callback.dirpath or (root / "checkpoints" if isinstance(callback, LastCheckpoint) else None)
-            folders += [Path(folder)] if folder is not None and Path(folder).is_dir() else []
-    candidates = set(hpc_checkpoints(root).values())
-    for folder in folders:
-        candidates |= {path for path in folder.iterdir() if LAST_NAME.fullmatch(path.name)}
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+            folders.append(Path(callback.dirpath))
+    for folder in {f for f in folders if f.is_dir()}:
         for path in clear_leftovers(folder):  # what saves killed part-way left
             log.info(f"--ckpt_path=last: {path} put back: a save was killed while the new one took its name")
-    for path in sorted(candidates, key=lambda p: p.stat().st_mtime, reverse=True):
-        try:
-            read_checkpoint(path)
-        except AssetError as error:
-            log.info(f"--ckpt_path=last: skipping {path}: {error.problem.removeprefix(str(path)).strip()}")
-            continue
-        return path
-    return None
+    candidates = checkpoints_in(root)
+    for folder in (f for f in folders[2:] if f.is_dir()):
+        candidates |= {path for path in folder.iterdir() if LAST_NAME.fullmatch(path.name)}
+    return newest_complete(candidates, lambda path, problem: log.info(f"--ckpt_path=last: skipping {path}: {problem}"))
 
 
 def cli_main(args: ArgsType = None, run: bool = True) -> PackingCLI:

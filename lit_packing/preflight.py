@@ -46,6 +46,29 @@ class Position:
         return f"{self.path} is at optimizer step {self.global_step:,} (epoch {self.epoch})"
 
 
+def launch_shape(trainer: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, int]:
+    """The `trainer.devices` and `trainer.num_nodes` a multi-process launcher (`srun` on SLURM, `torchrun`) gives,
+    for the settings left to it (`devices: auto`, `num_nodes` unset or 1), so that one config runs on whatever
+    shape the job has; {} when no launcher started this process or the settings are the user's.
+
+    >>> launch_shape({"devices": "auto", "num_nodes": 1}, {"SLURM_NTASKS": "16", "SLURM_NNODES": "2",
+    ...     "SLURM_NTASKS_PER_NODE": "8", "SLURM_JOB_NAME": "train"})
+    {'devices': 8, 'num_nodes': 2}
+    >>> launch_shape({"devices": "auto"}, {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "x"})
+    {'devices': 4, 'num_nodes': 2}
+    """
+    slurm = "SLURM_NTASKS" in environ and environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+    if slurm and environ.get("SLURM_NTASKS_PER_NODE", "").isdigit() and environ.get("SLURM_NNODES", "").isdigit():
+        per_node, nodes = int(environ["SLURM_NTASKS_PER_NODE"]), int(environ["SLURM_NNODES"])
+    elif "TORCHELASTIC_RUN_ID" in environ and environ.get("LOCAL_WORLD_SIZE", "").isdigit():
+        per_node = int(environ["LOCAL_WORLD_SIZE"])
+        nodes = int(environ.get("WORLD_SIZE", per_node)) // per_node
+    else:
+        return {}
+    shape = {"devices": per_node} if trainer.get("devices", "auto") == "auto" else {}
+    return shape | ({"num_nodes": nodes} if trainer.get("num_nodes") in (None, 1) else {})
+
+
 def preflight(
     subcommand: str, trainer: Mapping[str, Any], ckpt_path: str | None, data: Mapping[str, Any] | None = None
 ) -> Position | None:

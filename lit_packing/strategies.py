@@ -44,8 +44,7 @@ class ShardedStrategy(ModelParallelStrategy):
     Args:
         data_parallel_size: ranks that train different packs (`auto`: what the other two leave of the world).
         context_parallel_size: ranks that train one pack together, each its share of the tokens (1: none).
-        tensor_parallel_size: ranks that split each layer's heads and MLP columns (`auto`: Lightning's, or 1
-            with context parallelism).
+        tensor_parallel_size: ranks that split each layer's heads and MLP columns (`auto`: 1).
         cpu_offload: keep the sharded parameters, gradients and AdamW state in host memory between uses (FSDP2's
             `CPUOffloadPolicy`): device memory for what a step gathers and computes, at the cost of host-device
             copies every step and an optimizer step on the host. On GPUs the process group then gets a gloo backend
@@ -71,27 +70,29 @@ class ShardedStrategy(ModelParallelStrategy):
         return "cuda:nccl,cpu:gloo" if self.cpu_offload and backend == "nccl" else backend
 
     def setup_environment(self) -> None:
-        """Lightning's, then with context parallelism the 3-D mesh in place of its 2-D one.
+        """Lightning's, with `auto` sizes meaning one thing on any number of ranks (tensor parallel 1, data parallel
+        what the other two leave; Lightning's own `auto` would shard over the nodes only), and with context
+        parallelism the 3-D mesh in place of its 2-D one.
 
         Raises:
-            ConfigError: the sizes do not multiply to the world size (naming `context_parallel_size`).
+            ConfigError: the sizes do not multiply to the world size (naming the setting).
         """
         cp = self.context_parallel_size
-        if cp == 1:
-            super().setup_environment()
-            return
         world = self.num_nodes * self.num_processes
         dp, tp = model_parallel_sizes(self)
         tp = 1 if tp == "auto" else int(tp)
         dp = world // (cp * tp) if dp == "auto" else int(dp)
         if dp * cp * tp != world:
-            raise ConfigError(CP_SIZE_SETTING, f"{cp} with data_parallel_size={dp} and tensor_parallel_size={tp} is "
-                              f"not the {world} ranks", "make data x context x tensor parallel sizes multiply to "
-                              "trainer.devices x trainer.num_nodes")  # fmt: skip
+            setting = CP_SIZE_SETTING if cp > 1 else "trainer.strategy.init_args.data_parallel_size"
+            raise ConfigError(setting, f"data_parallel_size={dp} x context_parallel_size={cp} x tensor_parallel_size="
+                              f"{tp} is not the {world} ranks (trainer.devices x trainer.num_nodes)",
+                              "make them multiply to the ranks, or set data_parallel_size: auto (what the other "
+                              "two leave)")  # fmt: skip
         set_model_parallel(self, dp * cp, tp)  # Lightning's 2-D mesh, which checks them against the world
         super().setup_environment()
-        mesh = init_device_mesh(self.root_device.type, (dp, cp, tp), mesh_dim_names=MESH_DIMS)
-        set_model_parallel(self, dp, tp, mesh)
+        if cp > 1:
+            mesh = init_device_mesh(self.root_device.type, (dp, cp, tp), mesh_dim_names=MESH_DIMS)
+            set_model_parallel(self, dp, tp, mesh)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if not self._save_distributed_checkpoint or storage_options is not None or not is_local(filepath):

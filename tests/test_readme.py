@@ -13,11 +13,17 @@ name, each in its own order, so that `--ckpt_path` finds the checkpoint an earli
   `python -m lit_packing.packing_report ...`; one that names the same configs and settings as a `python main.py`
   command of the same page (a config by name, the other by path) is checked for parse errors only: that run is the
   other's, and the installed entry point itself runs in tests/test_install.py.
+- `lit-packing export ...`: run as written, in-process, on the checkpoint an earlier `fit` of the page wrote; the
+  folder it writes must hold a config and safetensors weights.
 - `python -m lit_packing.packing_report ...`: run as written. `python -m benchmarks ...`: its settings parsed and
   checked (the benchmark itself runs, smoke-sized, in tests/bench/).
 - `python -m benchmarks.<name> ...`: `--help`, and every option the page passes must be one the script accepts.
 - `bash benchmarks/*.sh`: `bash -n` (syntax; the script needs a GPU). `make <target>`: `make -n` (the target exists;
   running it would create a virtual environment).
+- `sbatch FILE`: the file exists, `bash -n` passes, its `#SBATCH` lines come before its first command (sbatch reads
+  no later ones), and the `main.py` command of each `srun` line in it parses, as a launcher's does.
+- `pip install ...`: nothing installed; `.` or `.[extras]` must name extras `pyproject.toml` declares, and any other
+  requirement must be pinned exactly as `pyproject.toml`'s dependencies or the Makefile (`TORCH`, `ASSETS`) pin it.
 - `wandb ...`: listed in NOT_RUN with the reason; any other command fails the test until it is classified.
 A documented option the CLI rejects makes jsonargparse exit with an error, which fails the test. Each command is
 written once in all the pages together (a page links to another's command instead of repeating it), so each runs
@@ -211,10 +217,20 @@ def test_documented_command_runs(page, words, scratch, monkeypatch, capsys, ever
         if words[2] == "fit":  # trained, and validated on the held-out split its config's fractions give
             assert cli.trainer.global_step > 0 and "val/loss" in cli.trainer.callback_metrics, command
     elif words[0] in LAUNCHERS:  # a multi-node GPU recipe: the main.py command it launches must parse
-        args = [*words[words.index("main.py") + 1 :], "--print_config"]
-        with pytest.raises(SystemExit) as exit_info:
-            cli_main(args)
-        assert exit_info.value.code in (0, None), f"{command}: {output(capsys)}"
+        launched_command_parses(words, command, capsys)
+    elif words[:2] == ["lit-packing", "export"]:  # on the checkpoint an earlier fit of this page wrote
+        from lit_packing.commands import export
+
+        try:
+            export(words[2:])
+        except SystemExit as error:
+            pytest.fail(f"{command}: exit status {error.code}: {output(capsys)}")
+        folder = Path(option_value(words, "--output"))
+        assert (folder / "config.json").is_file() and any(folder.glob("*.safetensors")), f"{command}: {folder}"
+    elif words[0] == "sbatch":
+        batch_script_checks(ROOT / words[1], command, capsys)
+    elif words[:2] == ["pip", "install"]:
+        pip_requirements_known(words[2:], command)
     elif words[:3] == ["python", "-m", "lit_packing.packing_report"]:
         from lit_packing.packing_report import main
 
@@ -233,6 +249,72 @@ def test_documented_command_runs(page, words, scratch, monkeypatch, capsys, ever
         run(["make", "-n", "-C", str(ROOT), *words[1:]])
     else:
         assert " ".join(words[:2]) in NOT_RUN, f"{page}: command not checked by any rule here: {command}"
+
+
+def launched_command_parses(words: list[str], command: str, capsys) -> None:
+    """The `main.py` command a launcher line (`torchrun ... main.py fit ...`, `srun python main.py fit ...`) runs
+    parses with `--print_config`: a multi-node GPU run cannot run here."""
+    args = [*words[words.index("main.py") + 1 :], "--print_config"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(args)
+    assert exit_info.value.code in (0, None), f"{command}: {output(capsys)}"
+
+
+def option_value(words: list[str], option: str) -> str:
+    """The value of `--option VALUE` or `--option=VALUE` in a command."""
+    for i, word in enumerate(words):
+        if word == option:
+            return words[i + 1]
+        if word.startswith(f"{option}="):
+            return word.split("=", 1)[1]
+    raise AssertionError(f"{' '.join(words)}: no {option}")
+
+
+def batch_script_checks(script: Path, command: str, capsys) -> None:
+    """A SLURM batch script: it exists, its syntax is bash's, every `#SBATCH` line comes before the first command,
+    and each `srun ... main.py ...` line launches a command that parses."""
+    assert script.is_file(), f"{command}: no such file {script}"
+    run(["bash", "-n", str(script)])
+    lines = script.read_text().replace("\\\n", " ").splitlines()
+    commands = [i for i, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("#")]
+    directives = [i for i, line in enumerate(lines) if line.startswith("#SBATCH")]
+    assert directives and commands and max(directives) < min(commands), f"{command}: #SBATCH after a command"
+    launches = [shlex.split(lines[i], comments=True) for i in commands if lines[i].lstrip().startswith("srun ")]
+    assert launches and all("main.py" in words for words in launches), f"{command}: no srun ... main.py line"
+    for words in launches:
+        launched_command_parses(words, command, capsys)
+
+
+def pip_requirements_known(args: list[str], command: str) -> None:
+    """`pip install` arguments: `.` / `.[extras]` name extras pyproject.toml declares; any other requirement is
+    pinned as pyproject.toml's dependencies or the Makefile's `TORCH` / `ASSETS` pin it (so the page cannot drift)."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python >= 3.11")
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    made = re.findall(r"^(?:TORCH \?=|ASSETS :=) (.+)$", (ROOT / "Makefile").read_text(), flags=re.M)
+    pins: dict[str, list] = {}  # torch: pyproject.toml's range and the Makefile's exact version
+    for pinned in [*map(Requirement, project["dependencies"]), *map(Requirement, " ".join(made).split())]:
+        pins.setdefault(canonicalize_name(pinned.name), []).append(pinned.specifier)
+    targets, value_next = [], False
+    for arg in args:  # requirements, and the value of -e; other options (--no-deps, ...) install nothing by themselves
+        if value_next or not arg.startswith("-"):
+            targets.append(arg)
+        value_next = arg in ("-e", "--editable")
+    assert targets, f"{command}: installs nothing"
+    for target in targets:
+        if target == "." or target.startswith(".["):
+            extras = Requirement(f"lit_packing{target[1:]}").extras
+            unknown = extras - set(project["optional-dependencies"])
+            assert not unknown, f"{command}: pyproject.toml has no extra {sorted(unknown)}"
+            continue
+        requirement = Requirement(target)
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{command}: {requirement.name} is pinned neither in pyproject.toml nor in the Makefile"
+        shown = " or ".join(f"{name}{specifier}" for specifier in pins[name])
+        assert requirement.specifier in pins[name], f"{command}: {target}, but the project pins {shown}"
 
 
 def same_as_a_run(page: str, args: list[str]) -> bool:

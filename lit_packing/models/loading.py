@@ -97,6 +97,9 @@ def load_causal_lm(
     # that name fails here, in one line, rather than keeping its own attention unseen.
     implementation = attn_implementation("per_example")
     if model_config is not None:
+        if "model_type" not in model_config:
+            raise ConfigError("model.model_config", f"{sorted(model_config)} names no model_type (the architecture)",
+                              'add one, e.g. {"model_type": "llama", ...}')  # fmt: skip
         config = AutoConfig.for_model(**_with_vocabulary(model_config, vocab_size))
         with _own_attention_table(config.model_type, implementation):
             lm = AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=torch_dtype(dtype))
@@ -172,6 +175,9 @@ def model_skeleton(
     from `model_config`, else from the pretrained folder's config (its weights read later, slice by slice)."""
     implementation = attn_implementation("per_example")
     if model_config is not None:
+        if "model_type" not in model_config:
+            raise ConfigError("model.model_config", f"{sorted(model_config)} names no model_type (the architecture)",
+                              'add one, e.g. {"model_type": "llama", ...}')  # fmt: skip
         config = AutoConfig.for_model(**_with_vocabulary(model_config, vocab_size))
         name = config.model_type
     else:

@@ -5,6 +5,7 @@ and stop at a step's end on a preemption signal."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,7 +49,7 @@ def test_a_full_disk_during_a_save_is_one_line_exit_2_and_the_previous_checkpoin
         run(tmp_path, tiny_llama_config, f"--trainer.plugins={plugin}")
     assert exited.value.code == 2
     errors = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
-    folder = tmp_path / "checkpoints"
+    folder = tmp_path / "quickstart" / "version_0" / "checkpoints"
     assert len(errors) == 1 and errors[0].startswith(f"error: checkpoint last.ckpt not written: {folder} has "), errors
     assert "free and the checkpoint needs about" in errors[0] and "trainer.default_root_dir" in errors[0]
     assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 1  # the save before, intact
@@ -59,4 +60,5 @@ def test_the_cli_writes_atomically_and_stops_on_preemption_by_default(tmp_path, 
     cli = run(tmp_path, tiny_llama_config)
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
     assert isinstance(cli.trainer.callbacks[-1], PreemptionCheckpoint)  # after the ModelCheckpoints
-    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    assert Path(cli.trainer.default_root_dir) == tmp_path / "quickstart" / "version_0"  # the run's own folder
+    assert torch.load(tmp_path / "quickstart/version_0/checkpoints/last.ckpt", weights_only=True)["global_step"] == 2

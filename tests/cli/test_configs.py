@@ -11,6 +11,7 @@ import yaml
 
 from lit_packing.cli import cli_main
 from lit_packing.configs import DELTAS, FOLDER, composition, config_args, config_path, names
+from lit_packing.preflight import launch_shape
 from tests.conftest import TINY
 
 ROOT = Path(__file__).parents[2]
@@ -126,6 +127,32 @@ def test_paper_variants_differ_only_in_their_sampler_collator_and_length(capsys)
         assert changed, delta
         allowed = SCALING[delta][0] if delta in SCALING else VARIANT_KEYS
         assert all(key.startswith(allowed) for key in changed), (delta, sorted(changed))
+
+
+def test_the_scaling_deltas_keep_the_gpu_bases_packs_and_take_every_rank(capsys):
+    """On gpu.yaml, context parallel keeps its 32,768-token packs, and FSDP2 shards over however many GPUs run."""
+    gpu = resolved(["--config", "gpu"], capsys)
+    split = resolved(["--config", "gpu", "--config", "context_parallel"], capsys)
+    assert split["data"]["sampler"] == gpu["data"]["sampler"] and split["data"]["max_length"] == 4096
+    assert split["data"]["sampler"]["init_args"]["max_tokens"] == 32768
+    sharded = resolved(["--config", "gpu", "--config", "fsdp2"], capsys)
+    assert sharded["trainer"]["strategy"]["init_args"]["data_parallel_size"] == "auto"
+
+
+@pytest.mark.parametrize("trainer, environ, shape", [
+    ({"devices": "auto"}, {"SLURM_NTASKS": "16", "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "8"},
+     {"devices": 8, "num_nodes": 2}),
+    ({"devices": 4, "num_nodes": 1}, {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"},
+     {"num_nodes": 2}),
+    ({"devices": "auto", "num_nodes": 3}, {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"},
+     {"devices": 4}),
+    ({"devices": "auto"}, {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "bash"}, {}),  # an interactive allocation
+    ({"devices": "auto"}, {}, {}),
+])  # fmt: skip
+def test_a_launchers_shape_fills_the_settings_left_open(trainer, environ, shape):
+    """multinode.yaml leaves devices to the launcher: srun's and torchrun's shape fills what a config leaves open
+    (`devices: auto`, `num_nodes` unset or 1) and nothing a user set."""
+    assert launch_shape(trainer, environ) == shape
 
 
 def test_a_name_resolves_to_the_packaged_config(capsys):

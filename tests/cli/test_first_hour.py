@@ -1,5 +1,6 @@
-"""What a new user sees and gets on disk: piped progress lines, one bounded checkpoint, no W&B folder for a run
-that never trained, the config as nested keys in the run's folder, validation at the end of a `max_steps` run."""
+"""What a new user sees and gets on disk: piped progress lines, each run in a folder of its own with one bounded
+checkpoint, no W&B folder for a run that never trained, the config as nested keys in the run's folder, validation
+at the end of a `max_steps` run."""
 
 import json
 import re
@@ -47,18 +48,28 @@ def test_quickstart_run_prints_steps_validates_at_the_end_and_keeps_one_checkpoi
     tok_s = float(last.split("tok/s ")[1].split()[0].replace(",", ""))
     assert tok_s == pytest.approx(monitor.totals["real_tokens"] / monitor.train_seconds, rel=1e-3)
 
-    assert sorted(p.name for p in (tmp_path / "runs" / "checkpoints").iterdir()) == ["last.ckpt"]
-    assert saves == [("runs/checkpoints/last.ckpt", 2), ("runs/checkpoints/last.ckpt", 4)]  # resumable mid-run
-    run_dir = tmp_path / "runs" / "quickstart" / "version_0"
+    run_dir = tmp_path / "runs" / "quickstart" / "version_0"  # the run's folder: config, metrics, checkpoints
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.ckpt"]
+    saved = "runs/quickstart/version_0/checkpoints/last.ckpt"
+    assert saves == [(saved, 2), (saved, 4)]  # resumable mid-run
+    assert "run folder: runs/quickstart/version_0 (run 'quickstart')" in out
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["trainer"]["max_steps"] == 4
     hparams = yaml.full_load((run_dir / "hparams.yaml").read_text())  # the model hparams hold a tuple
     assert hparams["data"]["val_split"] == 0.02  # nested keys, not one JSON string
     assert len(list((tmp_path / "runs" / "wandb").glob("offline-run-*"))) == 1
 
-    fit("--trainer.max_steps=2")  # a second fit replaces the checkpoint and gets its own run folder
-    assert sorted(p.name for p in (tmp_path / "runs" / "checkpoints").iterdir()) == ["last.ckpt"]
-    assert (tmp_path / "runs" / "quickstart" / "version_1" / "config.yaml").exists()
+    first = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    fit("--trainer.max_steps=2")  # a second experiment from the same checkout: a folder of its own
+    second = tmp_path / "runs" / "quickstart" / "version_1"
+    assert (second / "config.yaml").exists() and (second / "metrics.csv").exists()
+    assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    kept = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)  # the first run's, untouched
+    assert kept["global_step"] == 4 and all(torch.equal(kept["state_dict"][k], t) for k, t in first["state_dict"].items())
+    validated = cli_main(["validate", "--config", QUICKSTART, *SMALL, "--ckpt_path=last"])  # the run's newest
+    assert validated.config.validate.ckpt_path == "runs/quickstart/version_1/checkpoints/last.ckpt"
+    named = fit("--trainer.max_steps=1", "--run_name=lr-sweep.1")
+    assert Path(named.trainer.default_root_dir) == Path("runs/lr-sweep.1/version_0")
 
 
 def exits_with(capsys, pattern: str, *args: str) -> None:
@@ -74,7 +85,7 @@ def test_a_run_that_fails_before_training_leaves_no_wandb_run(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     exits_with(capsys, r"data\.val_split: 64 examples leave no training data out of 64", "--data.val_split=64")
     assert not (tmp_path / "runs" / "wandb").exists()
-    assert not (tmp_path / "runs" / "checkpoints").exists()
+    assert not [path for path in (tmp_path / "runs").rglob("*") if path.is_file()]  # no config, no checkpoint
 
 
 def test_an_explicit_interval_longer_than_the_epoch_names_the_settings(tmp_path, monkeypatch, capsys):
@@ -88,12 +99,12 @@ def test_lora_checkpoint_holds_only_the_adapters_and_resumes(tmp_path, monkeypat
     lora = json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]})
     logger = "--trainer.logger=false"
     cli = fit(f"--model.lora={lora}", "--trainer.max_steps=2", logger)
-    checkpoint = torch.load(tmp_path / "runs" / "checkpoints" / "last.ckpt", weights_only=True)
+    checkpoint = torch.load(tmp_path / "runs/quickstart/version_0/checkpoints/last.ckpt", weights_only=True)
     trainable = {name for name, p in cli.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in name for name in trainable)
     assert set(checkpoint["state_dict"]) == trainable  # no frozen base weights (this model has no buffers saved)
     # Lightning counts an epoch that max_steps ended as finished: a second epoch continues from step 2.
-    more = ["--trainer.max_steps=3", "--trainer.max_epochs=2", "--ckpt_path=runs/checkpoints/last.ckpt"]
+    more = ["--trainer.max_steps=3", "--trainer.max_epochs=2", "--ckpt_path=last"]
     resumed = fit(f"--model.lora={lora}", logger, *more)  # loads without the frozen weights (strict_loading off)
     assert resumed.trainer.global_step == 3
 

@@ -172,15 +172,15 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_two_node_launch_on_loopback_then_resume_on_one_process(tmp_path, tiny_llama_config, layout):
     """`torchrun --nnodes=2` twice (node ranks 0 and 1) trains over gloo (DDP with 1 rank a node; FSDP2 with 2 a
-    node, each layer sharded over the 4 ranks) and stops at a checkpoint mid-epoch; one process resumes it: every
+    node, each layer sharded over the 4 ranks), its shape taken from torchrun, and stops at a checkpoint mid-epoch; one process resumes it: every
     example of the epoch is trained exactly once."""
     per_node, launched, resumed = LAYOUTS[layout]
     ranks = 2 * per_node
     (tmp_path / "recorder.py").write_text(RECORDER)
     port = free_port()
     common = fit_args(tmp_path, tiny_llama_config, "nodes", configs=MULTINODE)[1:]  # drop the interpreter
-    common += ["--trainer.num_nodes=2", f"--trainer.devices={per_node}", "--trainer.max_epochs=1",
-               "--trainer.max_steps=2", *launched]  # fmt: skip
+    # No trainer.devices or num_nodes: multinode.yaml takes the shape torchrun gives (2 nodes x `per_node`).
+    common += ["--trainer.max_epochs=1", "--trainer.max_steps=2", *launched]
     nodes = [
         subprocess.Popen(
             [

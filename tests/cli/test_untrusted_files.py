@@ -70,8 +70,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     found = {}
     for kind, extra in kinds.items():
         tmp = tmp_path_factory.mktemp(kind)
-        cli_main(["fit", *tiny_args(tmp, *extra)])
-        found[kind] = tmp / "checkpoints" / "last.ckpt"
+        cli = cli_main(["fit", *tiny_args(tmp, *extra)])
+        found[kind] = Path(cli.trainer.default_root_dir) / "checkpoints" / "last.ckpt"
     found["tmp"] = tmp_path_factory.mktemp("damaged")
     return found
 

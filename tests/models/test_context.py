@@ -184,11 +184,14 @@ def test_a_state_space_mixer_or_a_position_bias_is_refused_by_name():
         check_context_parallel(2, llama, True, {})
 
 
-@pytest.mark.parametrize("cp, tp, devices, fine", [(2, 1, 2, True), (2, 2, 4, True), (3, 1, 2, False),
-                                                    (2, 2, 2, False)])  # fmt: skip
+@pytest.mark.parametrize("cp, tp, devices, fine", [(2, 1, 2, True), (2, 2, 4, True), (1, "auto", 8, True),
+                                                    (1, 2, 8, True), (3, 1, 2, False), (2, 2, 2, False),
+                                                    (1, 3, 8, False)])  # fmt: skip
 def test_the_mesh_sizes_must_make_the_world_or_are_refused_naming_the_setting(cp, tp, devices, fine):
-    """Sizes that make the world build the 3-D mesh (data x context x tensor parallel; here over torch's fake
-    process group of `devices` ranks held by this process); others are refused naming the setting."""
+    """Sizes that make the world build the mesh (data x context x tensor parallel; here over torch's fake process
+    group of `devices` ranks held by this process), `auto` data parallel taking what the others leave on any number
+    of ranks (Lightning's own `auto` would shard over the nodes only: 1 here); others are refused naming the
+    setting."""
     from lightning.fabric.plugins.environments import LightningEnvironment
     from lightning.pytorch import LightningModule
     from lightning.pytorch.accelerators import CPUAccelerator
@@ -205,12 +208,17 @@ def test_the_mesh_sizes_must_make_the_world_or_are_refused_naming_the_setting(cp
         torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=devices)
         try:
             strategy.setup_environment()
-            mesh = strategy.device_mesh
-            assert mesh.mesh_dim_names == MESH_DIMS and tuple(mesh.shape) == (devices // (cp * tp), cp, tp)
+            mesh, tp = strategy.device_mesh, 1 if tp == "auto" else tp
+            if cp > 1:
+                assert mesh.mesh_dim_names == MESH_DIMS and tuple(mesh.shape) == (devices // (cp * tp), cp, tp)
+            else:
+                assert dict(zip(mesh.mesh_dim_names, mesh.shape)) == {"data_parallel": devices // tp,
+                                                                      "tensor_parallel": tp}  # fmt: skip
         finally:
             torch.distributed.destroy_process_group()
         return
-    with pytest.raises(ConfigError, match=f"{CP_SIZE_SETTING}: {cp} with .* is not the {devices} ranks"):
+    setting = CP_SIZE_SETTING if cp > 1 else "trainer.strategy.init_args.data_parallel_size"
+    with pytest.raises(ConfigError, match=f"{setting}: .*context_parallel_size={cp} .* is not the {devices} ranks"):
         strategy.setup_environment()
     with pytest.raises(ConfigError, match="not a number of ranks"):
         ShardedStrategy(context_parallel_size=0)
