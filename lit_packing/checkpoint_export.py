@@ -1,7 +1,8 @@
-"""`lit-packing export --ckpt_path <distributed checkpoint> --output <folder>`: a sharded run's checkpoint as a
-Hugging Face folder, in one process, one file's tensors at a time.
+"""`lit-packing export --ckpt_path <checkpoint> --output <folder>`: a run's checkpoint as a Hugging Face folder with
+its tokenizer, in one process, one output file's tensors at a time: a single file (one device, DDP) or a sharded
+run's distributed checkpoint folder.
 
-    export_checkpoint("runs/checkpoints/last.ckpt", "runs/export")
+    export_checkpoint("runs/quickstart/version_0/checkpoints/last.ckpt", "runs/export")
 """
 
 from __future__ import annotations
@@ -24,27 +25,29 @@ from lit_packing.models.export import (
     pretrained_tokenizer,
 )
 from lit_packing.models.loading import build_model
-from lit_packing.preflight import read_checkpoint
+from lit_packing.preflight import SHARDED_METADATA, read_checkpoint
 
 
 def export_checkpoint(ckpt_path: str, output: str, file_bytes: int = EXPORT_FILE_BYTES) -> None:
-    """`lit-packing export --ckpt_path <distributed checkpoint> --output <folder>`: a sharded run's checkpoint (the
-    folder `ModelParallelStrategy` writes) as a Hugging Face folder, in one process holding one file's tensors at a
-    time: the model is rebuilt on the meta device from the checkpoint's own settings (its `hyper_parameters`),
-    then each output file's tensors are read from every rank's shards (torch's distributed checkpoint, without a
-    process group) and streamed into the file.
+    """`lit-packing export --ckpt_path <checkpoint> --output <folder>`: a run's checkpoint as a Hugging Face folder,
+    in one process holding one output file's tensors at a time. The model is rebuilt on the meta device from the
+    checkpoint's own settings (its `hyper_parameters`); each output file's tensors are then read, from the
+    memory-mapped file, or from every rank's shards of a distributed checkpoint (the folder
+    `ModelParallelStrategy` writes; torch's distributed checkpoint, without a process group), and streamed into it.
 
     Raises:
-        AssetError: the folder is not a distributed checkpoint of a `PackedCausalLM`, or was trained with LoRA
-            (its adapters are exported by the run itself: `model.export_dir`).
+        AssetError: the path is not a checkpoint of a `PackedCausalLM`, or of one trained with LoRA (its adapters
+            are exported by the run itself: `model.export_dir`).
+        TrainingError: a weight holds NaN or inf.
     """
     folder = Path(ckpt_path)
-    meta = folder / "meta.pt"
-    if not folder.is_dir() or not meta.is_file():
-        raise AssetError("--ckpt_path", f"{ckpt_path} is not a distributed checkpoint (a folder with meta.pt and the "
-                         "ranks' .distcp shards, as trainer.strategy=ModelParallelStrategy writes)",
-                         "give the folder a sharded run saved (e.g. runs/checkpoints/last.ckpt)")  # fmt: skip
-    hp = read_checkpoint(meta).get("hyper_parameters") or {}
+    distributed = folder.is_dir() and (folder / SHARDED_METADATA).is_file()
+    if not distributed and not folder.is_file():
+        raise AssetError("--ckpt_path", f"{ckpt_path} is neither a checkpoint file nor a distributed checkpoint (a "
+                         f"folder with {SHARDED_METADATA} and the ranks' .distcp shards)",
+                         "give a run's checkpoint, e.g. runs/quickstart/version_0/checkpoints/last.ckpt")  # fmt: skip
+    checkpoint = read_checkpoint(folder / SHARDED_METADATA if distributed else folder, ckpt_path)
+    hp = checkpoint.get("hyper_parameters") or {}
     if "name_or_path" not in hp:
         raise AssetError("--ckpt_path", f"{ckpt_path} holds no PackedCausalLM settings (hyper_parameters)",
                          "give a checkpoint of a lit_packing run")  # fmt: skip
@@ -53,23 +56,35 @@ def export_checkpoint(ckpt_path: str, output: str, file_bytes: int = EXPORT_FILE
                          "to export", "set model.export_dir in the run: it saves the adapters")  # fmt: skip
     model, _ = build_model(hp["name_or_path"], hp.get("model_config"), hp.get("vocab_size"), hp.get("dtype"),
                            "per_example", "cpu", check=False, check_head=False, deferred=True)  # fmt: skip
-    stored = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    prefix = next((p for p in ("state_dict.model.", "model.") if f"{p}{next(iter(dict(model.named_parameters())))}"
-                   in stored), None)  # fmt: skip
+    params = dict(model.named_parameters())
+    if distributed:
+        stored = {key: meta.properties.dtype
+                  for key, meta in FileSystemReader(str(folder)).read_metadata().state_dict_metadata.items()
+                  if hasattr(meta, "properties")}  # fmt: skip
+    else:
+        state = checkpoint.get("state_dict") or {}
+        stored = {key: tensor.dtype for key, tensor in state.items()}
+    prefix = next((p for p in ("state_dict.model.", "model.") if f"{p}{next(iter(params))}" in stored), None)
     if prefix is None:
         raise AssetError("--ckpt_path", f"{ckpt_path}'s weights are not the model its settings build",
                          "give the checkpoint of the run whose settings it holds")  # fmt: skip
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    files, params = file_plan(model, file_bytes), dict(model.named_parameters())
-    weight_map, total = {}, 0
-    for index, names in enumerate(files, start=1):
-        name = "model.safetensors" if len(files) == 1 else f"model-{index:05d}-of-{len(files):05d}.safetensors"
-        tensors = {key: torch.empty(tuple(params[key].shape), dtype=stored[prefix + key].properties.dtype)
-                   for key in names}  # fmt: skip
+
+    def read(names: list[str]) -> dict[str, torch.Tensor]:
+        if not distributed:
+            return {key: state[prefix + key] for key in names}  # memory-mapped: read as the file is written
+        tensors = {key: torch.empty(tuple(params[key].shape), dtype=stored[prefix + key]) for key in names}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.load({prefix + key: t for key, t in tensors.items()}, checkpoint_id=str(folder), no_dist=True)
+        return tensors
+
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    files = file_plan(model, file_bytes)
+    weight_map, total = {}, 0
+    for index, names in enumerate(files, start=1):
+        name = "model.safetensors" if len(files) == 1 else f"model-{index:05d}-of-{len(files):05d}.safetensors"
+        tensors = read(names)
         broken = [key for key, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
         if broken:
             raise TrainingError(f"not exporting {ckpt_path}: {broken[0]} holds NaN or inf; the run diverged: "
@@ -84,5 +99,5 @@ def export_checkpoint(ckpt_path: str, output: str, file_bytes: int = EXPORT_FILE
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2,
                                             sort_keys=True) + "\n")  # fmt: skip
     model.config.save_pretrained(out)
-    tokenizer = pretrained_tokenizer(hp["name_or_path"]) if hp.get("model_config") is None else None
+    tokenizer = pretrained_tokenizer(hp["name_or_path"]) if hp["name_or_path"] else None  # the one the data used
     finish_folder(str(out), tokenizer)

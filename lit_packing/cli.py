@@ -212,6 +212,12 @@ class PackingCLI(LightningCLI):
     metrics and write no run folder unless `--trainer.logger` is given.
     """
 
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Lightning's but `predict`: a causal LM's packed rows have no prediction of their own to write (the
+        evaluation's per-token losses are `validate` and `test`)."""
+        return {name: keys for name, keys in LightningCLI.subcommands().items() if name != "predict"}
+
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         # As Lightning's, without its warning when `sys.argv` holds arguments too: a caller that passes `args` (the
         # packing report, the benchmark, tests) has parsed its own command line and built these from it.

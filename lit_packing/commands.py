@@ -3,7 +3,7 @@
     lit-packing fit --config quickstart          # LightningCLI: fit, validate, test (as python main.py)
     lit-packing report --config quickstart       # the packing report (python -m lit_packing.packing_report)
     lit-packing configs                          # the packaged configs: name, how it runs, what it is
-    lit-packing export --ckpt_path CKPT --output DIR   # a sharded run's checkpoint as a Hugging Face folder
+    lit-packing export --ckpt_path CKPT --output DIR   # a run's checkpoint as a Hugging Face folder
 
 The benchmark is not part of the installed package: it runs from a checkout of the repository, from its root, with
 `python -m benchmarks` (`lit-packing bench` says so and exits with status 2).
@@ -67,7 +67,8 @@ def export(args: list[str]) -> None:
     from lit_packing.models.export import EXPORT_FILE_BYTES
 
     parser = argparse.ArgumentParser(prog="lit-packing export", description=export.__doc__)
-    parser.add_argument("--ckpt_path", required=True, help="a distributed checkpoint folder (sharded run)")
+    parser.add_argument("--ckpt_path", required=True,
+                        help="a run's checkpoint: a file (last.ckpt), or a sharded run's distributed checkpoint folder")
     parser.add_argument("--output", required=True, help="the Hugging Face folder to write")
     parser.add_argument("--file_bytes", type=int, default=EXPORT_FILE_BYTES, help="the most bytes a file holds")
     options = parser.parse_args(args)

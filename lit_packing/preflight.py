@@ -131,7 +131,8 @@ def read_position(ckpt_path: str) -> Position:
         where = "a folder, not a checkpoint file" if path.is_dir() else "no such file"
         hint = f" (looked in {Path.cwd()})" if not path.is_absolute() and looks_like_path(ckpt_path) else ""
         raise AssetError(
-            "--ckpt_path", f"{ckpt_path!r}: {where}{hint}", "give a checkpoint, e.g. runs/checkpoints/last.ckpt"
+            "--ckpt_path", f"{ckpt_path!r}: {where}{hint}",
+            "give a checkpoint (e.g. runs/quickstart/version_0/checkpoints/last.ckpt), or last: the run's newest",
         )
     step, epoch, completed = checkpoint_position(read_checkpoint(path, ckpt_path))
     return Position(str(ckpt_path), step, epoch, completed)

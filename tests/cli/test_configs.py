@@ -166,6 +166,12 @@ def test_a_name_resolves_to_the_packaged_config(capsys):
     assert composed["data"]["collator"]["class_path"] == "lit_packing.data.PaddedCollator"
 
 
+def test_the_subcommands_are_the_ones_that_do_something(capsys):
+    """fit, validate and test; no `predict` (packed rows have no prediction of their own to write)."""
+    err = error_line(["predict", "--config", "quickstart"], capsys)
+    assert "invalid choice: 'predict' (choose from 'fit', 'validate', 'test')" in err
+
+
 def test_an_unknown_name_lists_the_packaged_ones(capsys):
     err = error_line(["fit", "--config", "quickstrat"], capsys)
     assert "'quickstrat' is neither a file nor a packaged config" in err

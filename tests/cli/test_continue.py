@@ -24,7 +24,7 @@ CONFIG = [
     "--config", str(ROOT / "configs" / "quickstart.yaml"), f"--model.model_config={json.dumps(TINY)}",
     "--data.limit=64", "--data.max_length=512", "--trainer.logger=false",
 ]  # fmt: skip
-CHECKPOINT = "--ckpt_path=runs/checkpoints/last.ckpt"
+CHECKPOINT = "--ckpt_path=last"  # the run's newest checkpoint
 
 
 def main_py(cwd: Path, *args: str) -> str:

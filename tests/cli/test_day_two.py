@@ -106,9 +106,9 @@ def test_a_hub_id_that_cannot_be_reached_says_so_once(tmp_path, offline):
             "build); set --trainer.accelerator=cpu (or auto); configs/gpu.yaml is for machines with a GPU",
         ),
         (
-            ["--ckpt_path", "runs/checkpoints/typo.ckpt"],
-            "error: --ckpt_path: 'runs/checkpoints/typo.ckpt': no such file (looked in {cwd}); give a checkpoint, e.g. "
-            "runs/checkpoints/last.ckpt",
+            ["--ckpt_path", "runs/quickstart/version_0/checkpoints/typo.ckpt"],
+            "error: --ckpt_path: 'runs/quickstart/version_0/checkpoints/typo.ckpt': no such file (looked in {cwd}); "
+            "give a checkpoint (e.g. runs/quickstart/version_0/checkpoints/last.ckpt), or last: the run's newest",
         ),
     ],
     ids=["unknown key", "unknown trainer key", "wrong choice", "wrong type", "no GPU", "missing checkpoint"],
@@ -137,12 +137,12 @@ def test_continuing_a_run_with_nothing_left_to_train_stops_before_training(tmp_p
     step and the value that trains more; that value trains, from the exact position."""
     run = [*QUICK[:-1], "--data.limit=64", "--trainer.max_steps=2"]
     assert main_py(tmp_path, *run).returncode == 0
-    ckpt = ["--ckpt_path", "runs/checkpoints/last.ckpt"]
+    ckpt = ["--ckpt_path", "last"]  # the run's newest checkpoint, in its folder
     started = time.perf_counter()
     again = main_py(tmp_path, *run, *ckpt)
     assert one_line_error(again) == (
-        "error: trainer.max_steps: 2 counts optimizer steps from the start of the run, and runs/checkpoints/last.ckpt "
-        "is at optimizer step 2 (epoch 0): nothing is left to train; --trainer.max_steps=4 trains 2 more "
+        "error: trainer.max_steps: 2 counts optimizer steps from the start of the run, and "
+        "runs/quickstart/version_0/checkpoints/last.ckpt is at optimizer step 2 (epoch 0): nothing is left to train; --trainer.max_steps=4 trains 2 more "
         "(--trainer.max_steps=-1 --trainer.max_epochs=1: to the end of the epoch it is in)"
     )
     assert time.perf_counter() - started < 60 and "`max_steps=2` reached" not in again.stdout + again.stderr
@@ -153,7 +153,8 @@ def test_continuing_a_run_with_nothing_left_to_train_stops_before_training(tmp_p
     assert epochs.returncode == 0, (epochs.stdout + epochs.stderr)[-3000:]
     last = main_py(tmp_path, *run[:-1], "--trainer.max_steps=-1", "--trainer.max_epochs=1", *ckpt)
     assert one_line_error(last).startswith(
-        "error: trainer.max_epochs: 1 counts epochs from the start of the run, and runs/checkpoints/last.ckpt is at "
+        "error: trainer.max_epochs: 1 counts epochs from the start of the run, and "
+        "runs/quickstart/version_0/checkpoints/last.ckpt is at "
     )
     assert "with 1 epoch completed: nothing is left to train; --trainer.max_epochs=2 trains 1 more" in last.stdout
 
@@ -164,7 +165,7 @@ def test_validate_and_test_print_metrics_and_write_no_run_folder(tmp_path):
     assert main_py(tmp_path, *run).returncode == 0
     before = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").rglob("*"))
     for command in ("validate", "test"):
-        done = main_py(tmp_path, command, *run[1:], "--ckpt_path", "runs/checkpoints/last.ckpt")
+        done = main_py(tmp_path, command, *run[1:], "--ckpt_path", "last")
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
         assert f"{'val' if command == 'validate' else 'test'}/loss" in done.stdout
     assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").rglob("*")) == before

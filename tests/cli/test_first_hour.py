@@ -4,6 +4,7 @@ at the end of a `max_steps` run."""
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,27 @@ def test_quickstart_run_prints_steps_validates_at_the_end_and_keeps_one_checkpoi
     assert validated.config.validate.ckpt_path == "runs/quickstart/version_1/checkpoints/last.ckpt"
     named = fit("--trainer.max_steps=1", "--run_name=lr-sweep.1")
     assert Path(named.trainer.default_root_dir) == Path("runs/lr-sweep.1/version_0")
+
+
+def test_a_single_file_checkpoint_exports_to_a_folder_that_plain_transformers_loads(tmp_path, monkeypatch):
+    """`lit-packing export` on a one-device run's `last.ckpt`: the trained weights, the config and the tokenizer
+    the data used, in a folder `from_pretrained` loads and generates from."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lit_packing.commands import main
+
+    monkeypatch.chdir(tmp_path)
+    cli = fit("--trainer.max_steps=1", "--trainer.logger=false")
+    saved = Path(cli.trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+    monkeypatch.setattr(sys, "argv", ["lit-packing", "export", "--ckpt_path", str(saved), "--output", "out"])
+    main()
+    model, tokenizer = AutoModelForCausalLM.from_pretrained("out"), AutoTokenizer.from_pretrained("out")
+    trained = torch.load(saved, weights_only=True)["state_dict"]
+    loaded = model.state_dict()
+    assert {f"model.{key}" for key in loaded} <= trained.keys() | {"model.lm_head.weight"}  # the head tied
+    assert all(torch.equal(loaded[key.removeprefix("model.")], tensor) for key, tensor in trained.items())
+    prompt = tokenizer("2 + 2 =", return_tensors="pt")
+    assert model.generate(**prompt, max_new_tokens=3, do_sample=False).shape[1] == prompt["input_ids"].shape[1] + 3
 
 
 def exits_with(capsys, pattern: str, *args: str) -> None:

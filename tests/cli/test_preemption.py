@@ -134,6 +134,7 @@ class Job:
 
     def __init__(self, folder: Path, tasks: int, extra: list[str]):
         self.folder, self.tasks, self.extra, self.restarts = folder, tasks, extra, 0
+        self.saves = folder / "quickstart" / "version_0"  # the run's folder: every restart resumes into it
         folder.mkdir()
         (folder / "recorder.py").write_text(RECORDER)
         (folder / "stalling_io.py").write_text(STALLING_IO)
@@ -234,7 +235,7 @@ def assert_preempted(results: list[tuple[int, str]], signum: int, step: int) -> 
 def assert_same_run(job: Job, reference: Job, ranks: int) -> None:
     for rank in range(ranks):
         assert job.trained(rank) == reference.trained(rank)
-    final, expected = (weights(j.folder / "checkpoints" / "last.ckpt") for j in (job, reference))
+    final, expected = (weights(j.saves / "checkpoints" / "last.ckpt") for j in (job, reference))
     for name, tensor in expected.items():
         torch.testing.assert_close(final[name], tensor, rtol=0, atol=0, msg=name)
 
@@ -271,15 +272,15 @@ def test_preempted_at_every_moment_on_one_rank_resumes_by_itself_to_the_same_wei
     # USR1 during a forward: the step is finished, saved, and the job requeued.
     assert_preempted(preempt(job, [(0, 1, 0, "forward", signal.SIGUSR1)]), signal.SIGUSR1, 2)
     assert job.requeues() == [f"requeue {JOB}"]
-    assert files_in(job.folder).count("hpc_ckpt_1.ckpt") == 1
+    assert files_in(job.saves).count("hpc_ckpt_1.ckpt") == 1
     # SIGTERM during the backward of a step's second micro-batch: saved, not requeued (scancel sends it too).
     assert_preempted(preempt(job, [(0, 3, 1, "backward", signal.SIGTERM)]), signal.SIGTERM, 4)
     assert job.requeues() == [f"requeue {JOB}"]
     # USR1 between two micro-batches of a step, then SIGTERM during the checkpoint's save: one clean checkpoint.
     moments = [(0, 4, 0, "between", signal.SIGUSR1), (0, 5, 1, "save", signal.SIGTERM)]
     assert_preempted(preempt(job, moments), signal.SIGUSR1, 5)
-    assert [name for name in files_in(job.folder) if "ckpt" in name] == ["hpc_ckpt_3.ckpt"]  # the older removed
-    assert read_checkpoint(job.folder / "hpc_ckpt_3.ckpt")["global_step"] == 5
+    assert [name for name in files_in(job.saves) if "ckpt" in name] == ["hpc_ckpt_3.ckpt"]  # the older removed
+    assert read_checkpoint(job.saves / "hpc_ckpt_3.ckpt")["global_step"] == 5
 
     # Saves killed with SIGKILL: while streaming (nothing named is left), then flushed but not yet renamed.
     for point in ("stream", "rename"):
@@ -295,15 +296,15 @@ def test_preempted_at_every_moment_on_one_rank_resumes_by_itself_to_the_same_wei
         assert len(job.trained()) == len(trained_before) + 4  # 2 steps past the checkpoint, lost: redone next
         job.forget_lost(len(trained_before))
         leftover = [".hpc_ckpt_4.ckpt.partial"] if point == "rename" else []
-        assert [n for n in files_in(job.folder) if "ckpt" in n] == leftover + ["hpc_ckpt_3.ckpt"], point
-        assert read_checkpoint(job.folder / "hpc_ckpt_3.ckpt")["global_step"] == 5  # the previous one, intact
+        assert [n for n in files_in(job.saves) if "ckpt" in n] == leftover + ["hpc_ckpt_3.ckpt"], point
+        assert read_checkpoint(job.saves / "hpc_ckpt_3.ckpt")["global_step"] == 5  # the previous one, intact
         assert [p for p in shm.rglob("*") if p.is_file()] == [], "a save staged a file in TMPDIR"
     (job.folder / "stall").unlink()
 
     [(code, output)] = job.run()  # the last restart trains to the end
     assert code == 0, output[-3000:]
     assert "resuming from" in output and "hpc_ckpt_3.ckpt" in output
-    assert [n for n in files_in(job.folder) if "partial" in n] == []
+    assert [n for n in files_in(job.saves) if "partial" in n] == []
     assert_same_run(job, one_rank_reference, ranks=1)
 
 

@@ -312,7 +312,7 @@ def test_a_random_init_and_lora_adapters_are_one_process_weights_on_any_number_o
     assert sharded.keys() == adapters.keys() and all(torch.equal(sharded[k], adapters[k]) for k in sharded)
 
 
-def test_the_export_command_refuses_what_is_not_a_sharded_checkpoint_in_one_line(tmp_path, capsys, monkeypatch):
+def test_the_export_command_refuses_what_is_not_a_checkpoint_in_one_line(tmp_path, capsys, monkeypatch):
     import sys as system
 
     from lit_packing.commands import main
@@ -322,4 +322,4 @@ def test_the_export_command_refuses_what_is_not_a_sharded_checkpoint_in_one_line
         main()
     printed = capsys.readouterr().out.strip()
     assert exit_.value.code == 2 and printed.count("\n") == 0
-    assert "is not a distributed checkpoint" in printed and "--ckpt_path" in printed
+    assert "is neither a checkpoint file nor a distributed checkpoint" in printed and "--ckpt_path" in printed
