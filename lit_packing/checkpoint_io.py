@@ -120,7 +120,7 @@ OLD_SUFFIX = ".old"  # `.last.ckpt.old`: a distributed checkpoint's previous fol
 
 
 def hidden(path: Path, suffix: str) -> Path:
-    """`runs/checkpoints/.last.ckpt<suffix>`: a name beside `path` that no checkpoint search takes for one."""
+    """`checkpoints/.last.ckpt<suffix>`: a name beside `path` that no checkpoint search takes for one."""
     return path.parent / f".{path.name}{suffix}"
 
 

@@ -53,7 +53,7 @@ from lit_packing.callbacks.progress import progress_callback
 from lit_packing.callbacks.validation import ValidationSchedule
 from lit_packing.checkpoint_io import AtomicCheckpointIO, clear_leftovers
 from lit_packing.data import PackingDataModule
-from lit_packing.errors import AssetError, ConfigError, LitPackingError, TrainingError
+from lit_packing.errors import ConfigError, LitPackingError, TrainingError
 from lit_packing.models import PackedCausalLM
 from lit_packing.models.materialize import deferred_weights
 from lit_packing.preflight import (
@@ -235,6 +235,10 @@ class PackingCLI(LightningCLI):
         self.checkpoint = preflight(
             subcommand, settings.get("trainer", {}), settings.get("ckpt_path"), settings.get("data", {})
         )
+        if subcommand == "fit" and self.run_folder.resumed:  # --ckpt_path=last: nothing left to train stops here
+            trainer = settings.get("trainer", {})
+            position = read_position(str(self.run_folder.checkpoint))
+            check_left_to_train(position, trainer.get("max_steps"), trainer.get("max_epochs"))
         given = sys.argv[1:] if args is None else [str(a) for a in args] if isinstance(args, (list, tuple)) else []
         if subcommand in ("validate", "test") and not any(a.startswith("--trainer.logger") for a in given):
             settings.trainer.logger = False  # the metrics are printed; a run folder is made only when asked
@@ -384,11 +388,10 @@ def place_run(parser: LightningArgumentParser, subcommand: str, settings: Namesp
     folder = choose_folder(root, name, resume=asked == "last" or (subcommand == "fit" and asked is None and requeued))
     if subcommand != "fit":
         if asked == "last":
-            newest = newest_complete(checkpoints_in(folder.path)) if folder.resumed else None
-            if newest is None:
+            if not folder.resumed:
                 raise ConfigError("--ckpt_path", f"last: run {name!r} has no checkpoint under {root / name}",
                                   "give the checkpoint's path, or the run's --config files or --run_name")  # fmt: skip
-            settings.ckpt_path = str(newest)
+            settings.ckpt_path = str(folder.checkpoint)
         return folder
     if "trainer" in settings:
         settings.trainer.default_root_dir = str(folder.path)

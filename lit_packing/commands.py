@@ -67,8 +67,11 @@ def export(args: list[str]) -> None:
     from lit_packing.models.export import EXPORT_FILE_BYTES
 
     parser = argparse.ArgumentParser(prog="lit-packing export", description=export.__doc__)
-    parser.add_argument("--ckpt_path", required=True,
-                        help="a run's checkpoint: a file (last.ckpt), or a sharded run's distributed checkpoint folder")
+    parser.add_argument(
+        "--ckpt_path",
+        required=True,
+        help="a run's checkpoint: a file (last.ckpt), or a sharded run's distributed checkpoint folder",
+    )
     parser.add_argument("--output", required=True, help="the Hugging Face folder to write")
     parser.add_argument("--file_bytes", type=int, default=EXPORT_FILE_BYTES, help="the most bytes a file holds")
     options = parser.parse_args(args)

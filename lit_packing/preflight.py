@@ -2,7 +2,7 @@
 accelerator and devices the trainer settings ask for, that `--ckpt_path` exists, and that a resumed fit has
 something left to train. Each failure is one `ConfigError` naming the setting and the value that works.
 
-    preflight("fit", trainer_settings, "runs/checkpoints/last.ckpt")   # PackingCLI runs it before building objects
+    preflight("fit", trainer_settings, "runs/quickstart/version_0/checkpoints/last.ckpt")   # PackingCLI runs it before building objects
 """
 
 from __future__ import annotations
@@ -131,7 +131,8 @@ def read_position(ckpt_path: str) -> Position:
         where = "a folder, not a checkpoint file" if path.is_dir() else "no such file"
         hint = f" (looked in {Path.cwd()})" if not path.is_absolute() and looks_like_path(ckpt_path) else ""
         raise AssetError(
-            "--ckpt_path", f"{ckpt_path!r}: {where}{hint}",
+            "--ckpt_path",
+            f"{ckpt_path!r}: {where}{hint}",
             "give a checkpoint (e.g. runs/quickstart/version_0/checkpoints/last.ckpt), or last: the run's newest",
         )
     step, epoch, completed = checkpoint_position(read_checkpoint(path, ckpt_path))

@@ -40,13 +40,17 @@ class RunFolder:
         name: the run's name.
         launch: the CSV logger's version for this launch: `version_<N>`, or `version_<N>/resume_<K>` when it
             resumes the run in `path`.
-        resumed: whether `path` held a checkpoint of the run when this launch chose it.
+        checkpoint: the run's newest complete checkpoint, in `path`, when this launch resumes it; else None.
     """
 
     path: Path
     name: str
     launch: str
-    resumed: bool
+    checkpoint: Path | None = None
+
+    @property
+    def resumed(self) -> bool:
+        return self.checkpoint is not None
 
 
 def run_name(given: str | None, configs: Iterable[str | Path]) -> str:
@@ -104,8 +108,8 @@ def choose_folder(root: Path, name: str, resume: bool) -> RunFolder:
             version = newest.parent if HPC_NAME.fullmatch(newest.name) else newest.parent.parent
             resumes = [p for p in version.iterdir() if p.is_dir() and RESUME.fullmatch(p.name)]
             number = 1 + max((int(RESUME.fullmatch(p.name)[1]) for p in resumes), default=0)
-            return RunFolder(version, name, f"{version.name}/resume_{number}", resumed=True)
+            return RunFolder(version, name, f"{version.name}/resume_{number}", newest)
     number = int(VERSION.fullmatch(found[-1].name)[1]) if found else -1
     if not found or any(found[-1].iterdir()):  # an empty one is a launch that stopped before training: reused
         number += 1
-    return RunFolder(run / f"version_{number}", name, f"version_{number}", resumed=False)
+    return RunFolder(run / f"version_{number}", name, f"version_{number}")

@@ -38,7 +38,8 @@ def test_a_fresh_fit_takes_the_next_version_and_a_resumed_one_the_newest_checkpo
     assert choose_folder(tmp_path, "quickstart", resume=True).launch == "version_1/resume_1"
     save(first.path / "hpc_ckpt_5.ckpt", 5, 3000)  # the preemption's, newer
     resumed = choose_folder(tmp_path, "quickstart", resume=True)
-    assert (resumed.path, resumed.launch, resumed.resumed) == (first.path, "version_0/resume_1", True)
+    assert (resumed.path, resumed.launch) == (first.path, "version_0/resume_1")
+    assert resumed.checkpoint == first.path / "hpc_ckpt_5.ckpt"
     (first.path / "resume_1").mkdir()
     assert choose_folder(tmp_path, "quickstart", resume=True).launch == "version_0/resume_2"
     (first.path / "hpc_ckpt_5.ckpt").write_bytes(b"")  # damaged: the next newest is taken

@@ -1,6 +1,8 @@
 """LastCheckpoint: keep only what resuming needs, in one known place: `<default_root_dir>/checkpoints/last.ckpt`.
 
-    Trainer(default_root_dir="runs", callbacks=[LastCheckpoint()])   # runs/checkpoints/last.ckpt, overwritten
+    Trainer(default_root_dir="runs/quickstart/version_0", callbacks=[LastCheckpoint()])   # .../checkpoints/last.ckpt
+
+The CLI points `default_root_dir` at the run's own folder (`lit_packing.runs`), so each run keeps its own.
 
 Lightning's default keeps a checkpoint per run under each logger's run folder (`runs/<project>/<id>/checkpoints`),
 so every fit that validates adds model + optimizer state (1.6 GB for SmolLM2-135M in fp32 with AdamW). Here

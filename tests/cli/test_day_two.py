@@ -142,7 +142,8 @@ def test_continuing_a_run_with_nothing_left_to_train_stops_before_training(tmp_p
     again = main_py(tmp_path, *run, *ckpt)
     assert one_line_error(again) == (
         "error: trainer.max_steps: 2 counts optimizer steps from the start of the run, and "
-        "runs/quickstart/version_0/checkpoints/last.ckpt is at optimizer step 2 (epoch 0): nothing is left to train; --trainer.max_steps=4 trains 2 more "
+        "runs/quickstart/version_0/checkpoints/last.ckpt is at optimizer step 2 (epoch 0): nothing is left to train; "
+        "--trainer.max_steps=4 trains 2 more "
         "(--trainer.max_steps=-1 --trainer.max_epochs=1: to the end of the epoch it is in)"
     )
     assert time.perf_counter() - started < 60 and "`max_steps=2` reached" not in again.stdout + again.stderr

@@ -66,7 +66,8 @@ def test_quickstart_run_prints_steps_validates_at_the_end_and_keeps_one_checkpoi
     assert (second / "config.yaml").exists() and (second / "metrics.csv").exists()
     assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
     kept = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)  # the first run's, untouched
-    assert kept["global_step"] == 4 and all(torch.equal(kept["state_dict"][k], t) for k, t in first["state_dict"].items())
+    assert kept["global_step"] == 4
+    assert all(torch.equal(kept["state_dict"][key], tensor) for key, tensor in first["state_dict"].items())
     validated = cli_main(["validate", "--config", QUICKSTART, *SMALL, "--ckpt_path=last"])  # the run's newest
     assert validated.config.validate.ckpt_path == "runs/quickstart/version_1/checkpoints/last.ckpt"
     named = fit("--trainer.max_steps=1", "--run_name=lr-sweep.1")

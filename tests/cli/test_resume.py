@@ -172,8 +172,8 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_two_node_launch_on_loopback_then_resume_on_one_process(tmp_path, tiny_llama_config, layout):
     """`torchrun --nnodes=2` twice (node ranks 0 and 1) trains over gloo (DDP with 1 rank a node; FSDP2 with 2 a
-    node, each layer sharded over the 4 ranks), its shape taken from torchrun, and stops at a checkpoint mid-epoch; one process resumes it: every
-    example of the epoch is trained exactly once."""
+    node, each layer sharded over the 4 ranks), its shape taken from torchrun, and stops at a checkpoint mid-epoch;
+    one process resumes it: every example of the epoch is trained exactly once."""
     per_node, launched, resumed = LAYOUTS[layout]
     ranks = 2 * per_node
     (tmp_path / "recorder.py").write_text(RECORDER)

@@ -229,6 +229,7 @@ def test_a_rank_that_dies_ends_the_run_in_one_line_naming_it_and_the_resume(tmp_
     reader = threading.Thread(target=lambda: output.extend(run.stdout), daemon=True)
     reader.start()
     deadline = time.monotonic() + 300
+
     def trained_past_a_checkpoint() -> bool:  # the checkpoint of step 2 saved, and rank 0 training step 3 or later
         record = tmp_path / "run.rank0"
         steps = [json.loads(line)["step"] for line in record.read_text().splitlines()] if record.exists() else []
