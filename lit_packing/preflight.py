@@ -2,7 +2,7 @@
 accelerator and devices the trainer settings ask for, that `--ckpt_path` exists, and that a resumed fit has
 something left to train. Each failure is one `ConfigError` naming the setting and the value that works.
 
-    preflight("fit", trainer_settings, "runs/quickstart/version_0/checkpoints/last.ckpt")   # PackingCLI runs it before building objects
+    preflight("fit", trainer_settings, "runs/quickstart/version_0/checkpoints/last.ckpt")   # before anything loads
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ from lit_packing.models.preference import (
     preference_metrics,
     preference_settings,
 )
+from lit_packing.models.quantize import QuantizationKind
 from lit_packing.models.reference import CHECKPOINT_KEY, PrecomputedReference, reference_logps, weights_fingerprint
 from lit_packing.models.selftest import check_isolation
 from lit_packing.models.sharding import clip_grad_norm, is_sharded, shard_count, sync_gradients
@@ -118,8 +119,14 @@ class PackedCausalLM(LightningModule):
         compile: `torch.compile` the transformers decoder (automatic dynamic shapes: a new T recompiles once, then
             T is symbolic); `train/recompiles` counts the graphs compiled after the first step.
         lora: `peft.LoraConfig` kwargs (e.g. `{r: 16, lora_alpha: 32, target_modules: all-linear}`): train adapters.
+        quantization: QLoRA: the pretrained base's linear layers quantized as they load (`nf4`, `fp4`: 4 bits a
+            weight; `int8`), adapters (`lora`, required) trained on top (`quantize.py`; needs bitsandbytes).
+        quantization_dtype: the dtype a 4-bit layer computes in (its weights dequantized to it for each matmul).
+        double_quantization: quantize the 4-bit layers' scales too (~0.4 bits a weight fewer).
         resize_embeddings: let a tokenizer larger than a pretrained model's vocabulary grow the embeddings.
-        export_dir: at the end of `fit`, `save_pretrained` the model (adapters with LoRA) and tokenizer here.
+        export_dir: at the end of `fit`, `save_pretrained` the model and tokenizer here; a LoRA (or QLoRA) model
+            with its adapters merged into the (dequantized) base weights: a plain model for `from_pretrained`.
+        export_adapters_only: with LoRA, export the adapters alone (peft's folder) instead of the merged model.
         objective: `sft` (default): next-token cross-entropy; `dpo`, `ipo`, `simpo`, `orpo`: a preference objective
             on packed pairs (data.collator PairCollator, configs/dpo.yaml; see `preference.py`), the loss the mean
             over every pair of the optimizer step (`loss_normalization` does not apply).
@@ -160,8 +167,12 @@ class PackedCausalLM(LightningModule):
         gradient_checkpointing: bool = False,
         compile: bool = False,
         lora: dict | None = None,
+        quantization: QuantizationKind | None = None,
+        quantization_dtype: DType = "float32",
+        double_quantization: bool = True,
         resize_embeddings: bool = False,
         export_dir: str | None = None,
+        export_adapters_only: bool = False,
         nonfinite: NonFinite = "error",
         objective: Literal["sft", "dpo", "ipo", "simpo", "orpo"] = "sft",
         beta: float = 0.1,
@@ -489,11 +500,12 @@ class PackedCausalLM(LightningModule):
             self.export(self.hparams.export_dir)
 
     def export(self, path: str) -> None:
-        """Write the model as a Hugging Face folder (LoRA: the adapters) with the tokenizer (`export.export_lm`);
+        """Write the model as a Hugging Face folder (LoRA: merged, or its adapters) with the tokenizer (`export_lm`);
         sharded, a collective that no rank holds the whole model in."""
         trainer, tokenizer = attached_trainer(self), self._data.tokenizer if self._data is not None else None
         pretrained = self.hparams.name_or_path if self.hparams.model_config is None else None
-        export_lm(self.model, path, tokenizer, pretrained, writer=trainer is None or trainer.is_global_zero)
+        export_lm(self.model, path, tokenizer, pretrained, writer=trainer is None or trainer.is_global_zero,
+                  adapters_only=self.hparams.export_adapters_only)  # fmt: skip
 
 
 def _accumulator_dtype(device: torch.device) -> torch.dtype:

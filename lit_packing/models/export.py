@@ -10,8 +10,9 @@ its rows to rank 0 in turn, which streams them into the file (`SafetensorsStream
 shapes); so rank 0 holds its shards and one other rank's block, every other rank its shards alone. A tensor split
 otherwise (tensor parallel's columns) is gathered whole on every rank, written and dropped.
 
-A tied head is written once, under the embeddings' name, as `save_pretrained` writes it; a LoRA model's adapters
-alone are gathered and saved by peft. Non-finite weights are refused before anything is written. A write that fails
+A tied head is written once, under the embeddings' name, as `save_pretrained` writes it. A LoRA model is exported
+merged into the plain model it amounts to (a quantized base dequantized), or, sharded or asked to, as its adapters
+alone, gathered and saved by peft. Non-finite weights are refused before anything is written. A write that fails
 on rank 0 (a full disk) does not leave the senders blocked: rank 0 goes on receiving without writing, and every rank
 raises at the end (`agree.agreed`).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import itertools
 import json
 import logging
@@ -31,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lit_packing.agree import agreed
 from lit_packing.errors import ConfigError, TrainingError
+from lit_packing.models.quantize import merged_weights
 from lit_packing.models.sharding import is_sharded
 from lit_packing.models.weights import apply_umask, check_finite_weights
 
@@ -55,17 +58,55 @@ def export_model(model: torch.nn.Module, path: str, tokenizer=None, state_dict=N
     finish_folder(path, tokenizer)
 
 
-def export_lm(model: torch.nn.Module, path: str, tokenizer, pretrained: str | None, writer: bool) -> None:
-    """Write a trained model as a Hugging Face folder (LoRA: the adapters) with `tokenizer`, else the `pretrained`
-    model's (its name or folder) when there is one: sharded, a collective that no rank holds the whole model in
-    (`export_sharded`); else the `writer` rank (rank 0) writes it. Non-finite weights are refused (`TrainingError`)
-    before anything is written."""
+def export_lm(
+    model: torch.nn.Module, path: str, tokenizer, pretrained: str | None, writer: bool, adapters_only: bool = False
+) -> None:
+    """Write a trained model as a Hugging Face folder with `tokenizer`, else the `pretrained` model's (its name or
+    folder) when there is one: sharded, a collective that no rank holds the whole model in (`export_sharded`; LoRA:
+    the adapters); else the `writer` rank (rank 0) writes it, a LoRA model merged (`export_merged`) unless
+    `adapters_only`. Non-finite weights are refused (`TrainingError`) before anything is written."""
     if tokenizer is None and pretrained is not None:
         tokenizer = pretrained_tokenizer(pretrained)
     if is_sharded(model):
+        if hasattr(model, "get_base_model") and not adapters_only:
+            log.info("a sharded LoRA run exports its adapters; the merged model: lit-packing export --ckpt_path "
+                     "<its checkpoint> (one process)")  # fmt: skip
         export_sharded(model, path, tokenizer)
+    elif writer and hasattr(model, "get_base_model") and not adapters_only:
+        export_merged(model, path, tokenizer)
     elif writer:
         export_model(model, path, tokenizer)
+
+
+def export_merged(model: torch.nn.Module, path: str, tokenizer=None) -> None:
+    """A LoRA (or QLoRA) model as the plain model it amounts to: each adapted weight `base + scale x B A`, a quantized
+    base dequantized first (`quantize.merged_weights`), saved by transformers with a config that names no
+    quantization, so that `from_pretrained` loads it without peft or bitsandbytes."""
+    from transformers import AutoModelForCausalLM
+
+    base = model.get_base_model()
+    config = copy.deepcopy(base.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    weights = merged_weights(model)
+    config.dtype = base.get_input_embeddings().weight.dtype
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = plain.load_state_dict(weights, strict=False, assign=True)
+    untied = [key for key in missing if key not in _tied_keys(plain)]
+    if untied or unexpected:
+        raise TrainingError(f"not exporting to {path}: the merged weights are not {type(plain).__name__}'s "
+                            f"(missing {untied[:3]}, unexpected {unexpected[:3]})")  # fmt: skip
+    plain.tie_weights()
+    export_model(plain, path, tokenizer)
+
+
+def _tied_keys(model: torch.nn.Module) -> set[str]:
+    """The parameter names that share an earlier one's tensor (a tied LM head), which a state dict may leave out."""
+    first, tied = set(), set()
+    for name, tensor in model.named_parameters(remove_duplicate=False):
+        (tied.add(name) if id(tensor) in first else first.add(id(tensor)))
+    return tied
 
 
 def export_sharded(model: torch.nn.Module, path: str, tokenizer=None, file_bytes: int = EXPORT_FILE_BYTES) -> None:

@@ -35,6 +35,7 @@ from lit_packing.models.materialize import (
 )
 from lit_packing.models.mixers import MixerChoice
 from lit_packing.models.pack import Packing, check_backend_here, pack_model
+from lit_packing.models.quantize import Quantization, keep_trainable, prepare, quantization_settings
 from lit_packing.models.selftest import PADDED_FIX
 from lit_packing.models.sharding import (
     data_parallel_mesh,
@@ -78,8 +79,10 @@ def load_causal_lm(
     device: torch.device | str | None = None,
     mixers: MixerChoice = "auto",
     check: bool = True,
+    quantization: Quantization | None = None,
 ) -> LoadedModel:
-    """A packed causal LM: random weights from `model_config` if given, else pretrained weights of `model`,
+    """A packed causal LM: random weights from `model_config` if given, else pretrained weights of `model`
+    (quantized as they load with `quantization`: `quantize.py`),
     made packed by `pack_model` (see it for `backend`, `device`, `mixers` and `check`).
 
     Args:
@@ -97,18 +100,18 @@ def load_causal_lm(
     # that name fails here, in one line, rather than keeping its own attention unseen.
     implementation = attn_implementation("per_example")
     if model_config is not None:
-        if "model_type" not in model_config:
-            raise ConfigError("model.model_config", f"{sorted(model_config)} names no model_type (the architecture)",
-                              'add one, e.g. {"model_type": "llama", ...}')  # fmt: skip
-        config = AutoConfig.for_model(**_with_vocabulary(model_config, vocab_size))
+        config = _config(model_config, vocab_size)
         with _own_attention_table(config.model_type, implementation):
             lm = AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=torch_dtype(dtype))
     else:
         path = resolve_pretrained(model)
         with _own_attention_table(model, implementation):
+            quantized = {} if quantization is None else {"quantization_config": quantization.config()}
             lm = AutoModelForCausalLM.from_pretrained(
-                path, attn_implementation=implementation, dtype=torch_dtype(dtype) or torch.float32
+                path, attn_implementation=implementation, dtype=torch_dtype(dtype) or torch.float32, **quantized
             )
+            if quantization is not None:
+                keep_trainable(lm)  # before `pack_model`'s self-test runs it in eval mode
         _fit_vocabulary(lm, vocab_size, resize_embeddings, model)
     packing = pack_model(lm, backend, device, mixers, check)
     # from_pretrained returns eval mode (dropout off); Lightning keeps submodule modes as it finds them.
@@ -129,9 +132,11 @@ def build_model(
     lora: dict | None = None,
     check_head: bool = True,
     deferred: bool = False,
+    quantization: Quantization | None = None,
 ) -> LoadedModel:
     """The whole build of the model a `PackedCausalLM` trains: `load_causal_lm` (load, then `pack_model`), then
-    gradient checkpointing, LoRA adapters (`lora`: `peft.LoraConfig` kwargs) and, for a loss on the final hidden
+    gradient checkpointing, the k-bit preparation of a `quantization`, LoRA adapters (`lora`: `peft.LoraConfig`
+    kwargs) and, for a loss on the final hidden
     states (`check_head`), the check that the LM head reproduces the model's logits. The returned model is the
     trained module (a peft model with `lora`).
 
@@ -143,9 +148,12 @@ def build_model(
         lm, packing = model_skeleton(name_or_path, model_config, vocab_size, dtype, resize_embeddings), None
     else:
         lm, packing = load_causal_lm(
-            name_or_path, model_config, vocab_size, dtype, resize_embeddings, backend, device, mixers, check
-        )
-    if gradient_checkpointing:
+            name_or_path, model_config, vocab_size, dtype, resize_embeddings, backend, device, mixers, check,
+            quantization,
+        )  # fmt: skip
+    if quantization is not None:
+        lm = prepare(lm, gradient_checkpointing)
+    elif gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = apply_lora(lm, lora) if lora else lm
     if deferred:
@@ -175,10 +183,7 @@ def model_skeleton(
     from `model_config`, else from the pretrained folder's config (its weights read later, slice by slice)."""
     implementation = attn_implementation("per_example")
     if model_config is not None:
-        if "model_type" not in model_config:
-            raise ConfigError("model.model_config", f"{sorted(model_config)} names no model_type (the architecture)",
-                              'add one, e.g. {"model_type": "llama", ...}')  # fmt: skip
-        config = AutoConfig.for_model(**_with_vocabulary(model_config, vocab_size))
+        config = _config(model_config, vocab_size)
         name = config.model_type
     else:
         config, name = AutoConfig.from_pretrained(resolve_pretrained(name_or_path)), name_or_path
@@ -216,6 +221,18 @@ def _own_attention_table(name: str, attn_implementation: str):
             "AttentionInterface, so packed examples cannot be kept apart",
             f"choose a model that does (the families table in docs/model.md), {PADDED_FIX}",
         ) from None
+
+
+def _config(model_config: dict, vocab_size: int | None):
+    """The transformers config `model_config` describes, with the tokenizer's vocabulary (`_with_vocabulary`).
+
+    Raises:
+        ConfigError: it names no `model_type`.
+    """
+    if "model_type" not in model_config:
+        raise ConfigError("model.model_config", f"{sorted(model_config)} names no model_type (the architecture)",
+                          'add one, e.g. {"model_type": "llama", ...}')  # fmt: skip
+    return AutoConfig.for_model(**_with_vocabulary(model_config, vocab_size))
 
 
 def _with_vocabulary(model_config: dict, vocab_size: int | None) -> dict:
@@ -289,6 +306,8 @@ def build_models(hp, deferred: bool, copy_reference: bool) -> Built:
     # fails here); `PackedCausalLM.setup` resolves once more for the trainer's device (`Packing.to_device`).
     device = "cuda" if torch.cuda.is_available() else "cpu"
     lora = hp["lora"]
+    quantization = quantization_settings(hp["quantization"], hp["quantization_dtype"], hp["double_quantization"],
+                                         lora, hp["model_config"], deferred)  # fmt: skip
     if deferred and not lora_init_supported(lora):
         raise ConfigError("model.lora", f"init_lora_weights={lora['init_lora_weights']!r} is not made on the "
                           "meta-device build of a sharded strategy (only peft's default)",
@@ -297,7 +316,7 @@ def build_models(hp, deferred: bool, copy_reference: bool) -> Built:
         model, packing = build_model(
             hp["name_or_path"], hp["model_config"], hp["vocab_size"], hp["dtype"], hp["attn_backend"], device,
             hp["mixers"], hp["isolation_check"], hp["resize_embeddings"], hp["gradient_checkpointing"], lora,
-            check_head=hp["loss_impl"] != "full", deferred=deferred,
+            check_head=hp["loss_impl"] != "full", deferred=deferred, quantization=quantization,
         )  # fmt: skip
     if not deferred and (hp["model_config"] is not None or (lora and lora_init_supported(lora))):
         adapters = None if hp["model_config"] is not None else lambda name: ".lora_" in name

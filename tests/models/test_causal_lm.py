@@ -44,7 +44,7 @@ def run_one_step(lm, batches, accumulate, **trainer_kwargs):
         max_steps=1,
         accumulate_grad_batches=accumulate,
         logger=False,
-        precision=FP64,
+        precision=trainer_kwargs.pop("precision", FP64),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,

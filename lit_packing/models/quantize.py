@@ -1,0 +1,167 @@
+"""QLoRA: the base model's linear layers quantized on load (bitsandbytes, through transformers), LoRA adapters
+trained on top; and a LoRA model's adapters merged into plain weights for export. The one place that talks to
+bitsandbytes and to peft's k-bit helpers.
+
+    quantization = Quantization("nf4")                      # model.quantization: nf4
+    AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization.config())
+    lm = prepare(lm, gradient_checkpointing=True)           # norms and head in full precision, input gradients on
+    weights = merged_weights(peft_model)                    # {name: base + scale x B A}, the base dequantized
+
+The quantized layers hold their weights as stored (NF4 or FP4: 4 bits a weight plus a scale per block of 64, itself
+quantized with `double_quantization`; int8: a byte a weight and a scale per row); the embeddings, norms and the LM
+head stay in the run's dtype, as k-bit training prepares them. Packing does not change: the attention layers run
+the same packed kernels, the isolation self-test runs on the quantized model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from lit_packing.errors import ConfigError
+
+QuantizationKind = Literal["nf4", "fp4", "int8"]
+SETTING = "model.quantization"
+QUANTIZED_PARAMETERS = ("Params4bit", "Int8Params")  # bitsandbytes' parameter classes
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How the base model is quantized on load.
+
+    Attributes:
+        kind: `nf4` or `fp4` (4 bits a weight), `int8` (LLM.int8()).
+        compute_dtype: the dtype a 4-bit layer dequantizes its weights to for its matmul (under bf16-mixed,
+            autocast then runs it in bf16 whatever this is).
+        double: quantize the 4-bit layers' per-block scales too (~0.4 bits a weight saved).
+    """
+
+    kind: QuantizationKind
+    compute_dtype: str = "float32"
+    double: bool = True
+
+    def config(self):
+        """transformers' `BitsAndBytesConfig` for this quantization."""
+        from transformers import BitsAndBytesConfig
+
+        if self.kind == "int8":
+            return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=self.kind,
+            bnb_4bit_compute_dtype=getattr(torch, self.compute_dtype),
+            bnb_4bit_use_double_quant=self.double,
+        )
+
+
+def quantization_settings(
+    kind: str | None, compute_dtype: str, double: bool, lora: dict | None, model_config: dict | None, deferred: bool
+) -> Quantization | None:
+    """The run's `Quantization`, or None; a combination that cannot train is refused in one line.
+
+    Raises:
+        ConfigError: no LoRA (a quantized base does not train), a random init (`model_config`: weights are
+            quantized as they load), a sharded strategy, or bitsandbytes missing.
+    """
+    if kind is None:
+        return None
+    if not lora:
+        raise ConfigError(SETTING, f"{kind} quantizes the base model, whose weights then do not train, and no "
+                          "adapters are set", "set model.lora (e.g. {r: 16, lora_alpha: 32, target_modules: "
+                          "all-linear}), or drop model.quantization")  # fmt: skip
+    if model_config is not None:
+        raise ConfigError(SETTING, "weights are quantized as a pretrained model loads, and model.model_config "
+                          "builds a random one", "give model.name_or_path a saved model (save_pretrained a random "
+                          "one to quantize it), or drop model.quantization")  # fmt: skip
+    if deferred:
+        raise ConfigError(SETTING, f"a bitsandbytes-quantized ({kind}) base is not sharded by FSDP2 here (its packed "
+                          "weights and their scales are not one tensor FSDP2 can split)",
+                          "train it with trainer.strategy=ddp (each GPU holds the whole quantized base: a quarter of "
+                          "its bf16 bytes), or drop model.quantization")  # fmt: skip
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ConfigError(SETTING, f"{kind} needs bitsandbytes, which is not installed",
+                          'pip install "lit_packing[qlora]"') from None  # fmt: skip
+    return Quantization(kind, compute_dtype, double)
+
+
+def prepare(lm: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
+    """peft's k-bit preparation: the parameters that stay unquantized (embeddings, norms, head) in full precision,
+    every weight frozen; and the embeddings' output requiring gradients with or without checkpointing: bitsandbytes
+    runs a quantized layer whose input needs no gradient with an inference kernel that autograd cannot go back
+    through, which would leave every adapter before the last layer without a gradient."""
+    from peft import prepare_model_for_kbit_training
+
+    lm = prepare_model_for_kbit_training(
+        lm, use_gradient_checkpointing=gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )  # fmt: skip
+    lm.enable_input_require_grads()
+    return lm
+
+
+def keep_trainable(lm: torch.nn.Module) -> None:
+    """On a CPU with AVX-512 BF16, bitsandbytes (0.50) repacks a 4-bit layer's weights for its inference kernel at the
+    first forward in eval mode without gradients (the isolation self-test, validation), for good: training through
+    the layer then runs that kernel, which autograd cannot go back through, and every adapter before it silently
+    gets no gradient. Turned off here for every 4-bit layer (the layout training uses is kept)."""
+    for module in lm.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def stored_bytes(model: torch.nn.Module) -> int:
+    """The bytes the model's parameters and buffers take as stored (a 4-bit layer: half a byte a weight, plus its
+    scales, kept in each weight's quantization state)."""
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is not None:
+            nested = getattr(state, "state2", None)  # with double quantization: the scales' own scales
+            for tensor in (state.absmax, getattr(nested, "absmax", None), getattr(state, "offset", None)):
+                total += tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
+    return total
+
+
+def merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A LoRA model's weights as one plain model's: each adapted layer's base weight (dequantized, in the dtype of
+    the model's unquantized weights) plus its adapters' `scale x B A`; the adapters themselves dropped. The names
+    are the base model's (`model.layers.0.self_attn.q_proj.weight`)."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.integrations import dequantize_module_weight
+
+    base = model.get_base_model()
+    dtype = base.get_input_embeddings().weight.dtype
+    merged = {}
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            prefix = f"{name}." if name else ""
+            if isinstance(module, LoraLayer):
+                layer = module.get_base_layer()
+                weight = dequantize_module_weight(layer).to(dtype)
+                for adapter in module.active_adapters:
+                    weight = weight + module.get_delta_weight(adapter).to(dtype)
+                merged[f"{prefix}weight"] = weight
+                if getattr(layer, "bias", None) is not None:
+                    merged[f"{prefix}bias"] = layer.bias.detach().to(dtype)
+                continue
+            if any(isinstance(parent, LoraLayer) for parent in _parents(base, name)):
+                continue  # inside an adapted layer: its base layer and adapters, taken above
+            for key, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                if key in module._non_persistent_buffers_set:  # noqa: SLF001
+                    continue
+                quantized = type(tensor).__name__ in QUANTIZED_PARAMETERS  # a layer the adapters leave alone
+                merged[f"{prefix}{key}"] = dequantize_module_weight(module).to(dtype) if quantized else tensor.detach()
+    return merged
+
+
+def _parents(root: torch.nn.Module, name: str) -> list[torch.nn.Module]:
+    """The modules on the path from `root` to the module called `name`, without it."""
+    parts, found, module = name.split(".") if name else [], [], root
+    for part in parts[:-1]:
+        module = getattr(module, part)
+        found.append(module)
+    return found

@@ -1,0 +1,114 @@
+"""QLoRA: a 4-bit (or 8-bit) base from a saved model, LoRA adapters trained on it, packed exactly as padded on the
+same quantized weights; what cannot train refused in one line; the merged export a plain transformers model
+(`lit_packing.models.quantize`, `export.export_merged`)."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lit_packing.data.collate import PackedCollator, PaddedCollator
+from lit_packing.errors import ConfigError
+from lit_packing.models import PackedCausalLM
+from lit_packing.models.materialize import deferred_weights
+from lit_packing.models.quantize import stored_bytes
+from tests.helpers import make_examples
+from tests.models.test_causal_lm import LENGTHS, chunks, run_one_step
+
+bitsandbytes = pytest.importorskip("bitsandbytes")  # the `qlora` extra; `make setup` installs it
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "gate_proj"]}
+# Linear layers dominate, as in any LLM past a few hundred million parameters (here: 4.2 of 4.5 M).
+SHAPE = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 1024,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
+         "max_position_embeddings": 2048}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A random Llama saved as a pretrained folder (weights are quantized as they load)."""
+    folder = tmp_path_factory.mktemp("qlora") / "base"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**SHAPE)).save_pretrained(folder)
+    return str(folder)
+
+
+def qlora(saved, kind="nf4", **kwargs) -> PackedCausalLM:
+    torch.manual_seed(0)
+    return PackedCausalLM(name_or_path=saved, quantization=kind, lora=LORA, memory_check=False, **kwargs)
+
+
+def test_what_cannot_train_is_refused_in_one_line(saved):
+    with pytest.raises(ConfigError, match="model.quantization: nf4 quantizes the base model.* set model.lora"):
+        PackedCausalLM(name_or_path=saved, quantization="nf4", memory_check=False)
+    with pytest.raises(ConfigError, match="model.quantization: weights are quantized as a pretrained model loads"):
+        PackedCausalLM(model_config=SHAPE, quantization="nf4", lora=LORA, memory_check=False)
+    with deferred_weights(), pytest.raises(ConfigError, match="not sharded by FSDP2 here.*trainer.strategy=ddp"):
+        PackedCausalLM(name_or_path=saved, quantization="nf4", lora=LORA, memory_check=False)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_the_quantized_base_is_packed_and_trains_its_adapters_alone(saved, kind):
+    """The isolation self-test passes on the quantized model (it runs at construction); the base's linear layers
+    are bitsandbytes' and frozen, the adapters train."""
+    lm = qlora(saved, kind)
+    layer = lm.model.get_base_model().model.layers[0]
+    assert type(layer.self_attn.k_proj).__name__ == ("Linear4bit" if kind == "nf4" else "Linear8bitLt")
+    trainable = {name for name, p in lm.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+
+
+def test_4_bit_weights_take_under_a_third_of_their_bf16_bytes(saved):
+    lm = qlora(saved)
+    layers = lm.model.get_base_model().model.layers
+    bf16 = 2 * sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.for_model(**SHAPE)).model.layers
+                   .parameters() if p.ndim == 2)  # fmt: skip
+    quantized = sum(stored_bytes(m) for m in layers.modules() if isinstance(m, bitsandbytes.nn.Linear4bit))
+    assert quantized < bf16 / 3, (quantized, bf16)
+
+
+def test_packed_equals_padded_on_the_same_quantized_weights(saved):
+    examples = make_examples(LENGTHS)
+    results = {}
+    for kind, collate in (("packed", PackedCollator()), ("padded", PaddedCollator(pad_token_id=0))):
+        lm = qlora(saved)
+        grads, metrics = run_one_step(lm, [collate(c) for c in chunks(examples, [3, 5])], 2, precision="32-true")
+        results[kind] = grads, float(metrics["train/loss"])
+    (packed, packed_loss), (padded, padded_loss) = results["packed"], results["padded"]
+    assert packed_loss == pytest.approx(padded_loss, rel=1e-5)
+    assert packed.keys() == padded.keys() and packed
+    # Every adapter has a gradient, the first layer's too, after the construction's self-test ran the model in eval
+    # mode (which, unguarded, leaves bitsandbytes' 4-bit layers on an inference kernel autograd cannot go through).
+    assert {name for name, grad in packed.items() if "lora_B" in name and grad.abs().sum() > 0} == {
+        name for name in packed if "lora_B" in name} and any("layers.0." in name for name in packed)  # fmt: skip
+    for name, grad in packed.items():
+        torch.testing.assert_close(grad, padded[name], rtol=1e-3, atol=1e-6, msg=name)
+
+
+def test_the_merged_export_is_base_plus_scaled_adapters_and_loads_without_peft(saved, tmp_path):
+    from peft.utils.integrations import dequantize_module_weight
+
+    lm = qlora(saved, export_dir=str(tmp_path / "merged"))
+    with torch.no_grad():
+        for name, p in lm.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)  # trained adapters: B is no longer 0
+    lm.export(str(tmp_path / "merged"))
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert "quantization_config" not in config
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    weights = plain.state_dict()
+    adapted = lm.model.get_base_model().model.layers[1].self_attn.q_proj  # LoRA on a 4-bit layer
+    scale = LORA["lora_alpha"] / LORA["r"]
+    expected = dequantize_module_weight(adapted.base_layer).float()
+    expected += scale * adapted.lora_B["default"].weight @ adapted.lora_A["default"].weight
+    torch.testing.assert_close(weights["model.layers.1.self_attn.q_proj.weight"], expected, rtol=0, atol=0)
+    alone = lm.model.get_base_model().model.layers[1].self_attn.k_proj  # 4-bit, no adapter: dequantized
+    assert torch.equal(weights["model.layers.1.self_attn.k_proj.weight"], dequantize_module_weight(alone).float())
+    assert not any("lora" in key for key in weights)
+    prompt = torch.tensor([[5, 6, 7]])
+    assert plain.generate(prompt, max_new_tokens=4, do_sample=False).shape == (1, 7)
+    lm.hparams.export_adapters_only = True
+    lm.export(str(tmp_path / "adapters"))
+    assert (tmp_path / "adapters" / "adapter_config.json").exists()
