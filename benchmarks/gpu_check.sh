@@ -120,6 +120,9 @@ part 45 "sharded: DDP on $GPUS GPU(s), SmolLM2-135M, bf16-mixed, 8 steps (peak m
 part 45 "sharded: FSDP2 over $GPUS GPU(s), the same run (peak memory per rank in the summary, against DDP's)" \
   "$PYTHON" "${SHARDED_FIT[@]}" --config configs/fsdp2.yaml --trainer.strategy.init_args.data_parallel_size="$GPUS"
 
+part 60 "QLoRA: full fine-tune, bf16-base LoRA and NF4 QLoRA of a 1.2B random Llama, bf16-mixed, peak memory" \
+  "$PYTHON" -m benchmarks.qlora --accelerator gpu --hidden 2048 --layers 24 --steps 4
+
 if (( GPUS > 1 )); then
   part 60 "context parallel: a 65,536-token pack over 1..$GPUS GPU(s), peak memory per rank and tokens/s" \
     "$PYTHON" -m benchmarks.context_parallel --part memory --device cuda --layers 30 --tokens 65536
