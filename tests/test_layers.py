@@ -26,7 +26,7 @@ CORE = ("lit_packing.batch", "lit_packing.cost", "lit_packing.errors", "lit_pack
 LIGHTNING = ("lit_packing.assets", "lit_packing.loggers", "lit_packing.contract", "lit_packing.checkpoint_io",
              "lit_packing.strategies",
              "lit_packing.data", "lit_packing.models", "lit_packing.callbacks", "lit_packing.configs")  # fmt: skip
-CLI = ("lit_packing.cli", "lit_packing.preflight", "lit_packing.checkpoint_export")
+CLI = ("lit_packing.cli", "lit_packing.preflight", "lit_packing.runs", "lit_packing.checkpoint_export")
 TOOLS = ("lit_packing.packing_report",)  # the benchmark is not in the package: benchmarks/ in the checkout
 COMMANDS = ("lit_packing.commands", "lit_packing.__main__")  # the `lit-packing` command: every tool by name
 LAYERS = (CORE, LIGHTNING, CLI, TOOLS, COMMANDS)

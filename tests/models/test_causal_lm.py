@@ -306,7 +306,12 @@ def test_lora_gradient_checkpointing_and_export(tiny_llama_config, tmp_path):
     grads, _ = run_one_step(lm, [PackedCollator()(make_examples(LENGTHS))], 1)
     assert set(grads) == trainable
     assert all(g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)  # lora_A's gradient is 0: B starts at 0
-    assert (tmp_path / "export" / "adapter_config.json").exists()
+    merged = tmp_path / "export"  # the model the adapters amount to, for plain transformers
+    assert (merged / "config.json").exists() and (merged / "model.safetensors").exists()
+    assert not (merged / "adapter_config.json").exists()
+    lm.hparams.export_adapters_only = True
+    lm.export(str(tmp_path / "adapters"))
+    assert (tmp_path / "adapters" / "adapter_config.json").exists()
 
 
 def test_export_full_model_reloads(tiny_llama_config, tmp_path):
