@@ -95,6 +95,28 @@ def test_a_single_file_checkpoint_exports_to_a_folder_that_plain_transformers_lo
     assert model.generate(**prompt, max_new_tokens=3, do_sample=False).shape[1] == prompt["input_ids"].shape[1] + 3
 
 
+def test_a_lora_checkpoint_exports_merged_as_the_run_itself_exports_it(tmp_path, monkeypatch):
+    """`lit-packing export` on a LoRA run's `last.ckpt` (its adapters alone) rebuilds the base from the run's settings
+    and writes the merged model: the same tensors as the run's own `model.export_dir`; `--adapters_only`: peft's."""
+    from safetensors.torch import load_file
+
+    from lit_packing.commands import main
+    from tests.cli.test_configs import saved_tiny
+
+    monkeypatch.chdir(tmp_path)
+    lora = json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    cli = cli_main(["fit", "--config", QUICKSTART, f"--model.name_or_path={saved_tiny(tmp_path)}", *SMALL[1:],
+                    f"--model.lora={lora}", "--model.lr=1e-2", "--model.export_dir=in_run", "--trainer.max_steps=2",
+                    "--trainer.logger=false"])  # fmt: skip
+    saved = Path(cli.trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+    for out, extra in (("merged", []), ("adapters", ["--adapters_only"])):
+        monkeypatch.setattr(sys, "argv", ["lit-packing", "export", "--ckpt_path", str(saved), "--output", out, *extra])
+        main()
+    run, converted = load_file("in_run/model.safetensors"), load_file("merged/model.safetensors")
+    assert run.keys() == converted.keys() and all(torch.equal(converted[key], run[key]) for key in run)
+    assert not any("lora" in key for key in run) and Path("adapters/adapter_config.json").exists()
+
+
 def exits_with(capsys, pattern: str, *args: str) -> None:
     """The CLI prints a toolkit error alone, in one line, and exits with status 2."""
     with pytest.raises(SystemExit) as exit_:
