@@ -74,8 +74,11 @@ def export(args: list[str]) -> None:
     )
     parser.add_argument("--output", required=True, help="the Hugging Face folder to write")
     parser.add_argument("--file_bytes", type=int, default=EXPORT_FILE_BYTES, help="the most bytes a file holds")
-    parser.add_argument("--adapters_only", action="store_true",
-                        help="a LoRA run: its adapters (peft's folder) instead of the merged model")
+    parser.add_argument(
+        "--adapters_only",
+        action="store_true",
+        help="a LoRA run: its adapters (peft's folder) instead of the merged model",
+    )
     options = parser.parse_args(args)
     try:
         export_checkpoint(options.ckpt_path, options.output, options.file_bytes, options.adapters_only)
