@@ -395,6 +395,15 @@ def last_saved_checkpoint(trainer: Any) -> str | None:
     return max(saved, key=os.path.getmtime) if saved else None
 
 
+def set_default_root_dir(trainer: Any, path: str) -> None:
+    """Point a built Trainer's `default_root_dir` elsewhere (it has no setter).
+
+    Lightning: `Trainer._default_root_dir`; checked on 2.6.6.
+    """
+    _get("lightning", "Trainer._default_root_dir", lambda: trainer._default_root_dir)
+    trainer._default_root_dir = path
+
+
 def model_parallel_sizes(strategy: Any) -> tuple[Any, Any]:
     """A `ModelParallelStrategy`'s configured (data_parallel_size, tensor_parallel_size), `auto` or ints.
 

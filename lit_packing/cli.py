@@ -32,7 +32,6 @@ import datasets
 import transformers
 from jsonargparse import ArgumentParser, Namespace
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
@@ -45,10 +44,11 @@ from lit_packing._compat import (
     launched_ranks,
     parser_options,
     quiet_process_observer,
+    set_default_root_dir,
 )
 from lit_packing.callbacks import PackingMonitor, TokenThroughputMonitor
 from lit_packing.callbacks.checkpoint import LastCheckpoint
-from lit_packing.callbacks.preemption import PreemptionCheckpoint, hpc_checkpoints
+from lit_packing.callbacks.preemption import PreemptionCheckpoint
 from lit_packing.callbacks.progress import progress_callback
 from lit_packing.callbacks.validation import ValidationSchedule
 from lit_packing.checkpoint_io import AtomicCheckpointIO, clear_leftovers
@@ -64,7 +64,18 @@ from lit_packing.preflight import (
     read_position,
 )
 from lit_packing.processes import dead_rank, tie_to_launcher, watch_ranks
-from lit_packing.runs import LAST_NAME, RunFolder, checkpoints_in, choose_folder, newest_complete, run_name
+from lit_packing.runs import (
+    CHOSEN,
+    LAST_NAME,
+    RunFolder,
+    checkpoints_in,
+    choose_folder,
+    chosen_by_rank_zero,
+    is_first_rank,
+    launch_id,
+    newest_complete,
+    run_name,
+)
 from lit_packing.strategies import LIGHTNING_MODEL_PARALLEL, ShardedStrategy
 
 log = logging.getLogger("lit_packing")
@@ -264,16 +275,15 @@ class PackingCLI(LightningCLI):
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
 
     def before_fit(self) -> None:
-        """`--ckpt_path=last`, and no `--ckpt_path` in a SLURM job that was requeued or has a preemption checkpoint
-        (Lightning's own SLURM auto-resume, which would take `hpc_ckpt_<N>.ckpt` even when a `last.ckpt` is newer):
-        the newest complete checkpoint of the run, or a fresh start when there is none."""
+        """`--ckpt_path=last`, or a launch continuing its own run's folder (a requeued SLURM job: `runs.py`): the
+        newest complete checkpoint in the run's folder (what a save killed part-way left undone first), or a fresh
+        start when there is none. Lightning's own SLURM auto-resume, which would take `hpc_ckpt_<N>.ckpt` even when a
+        `last.ckpt` is newer, is not left to choose."""
         settings = self.config_init[self.subcommand]
         asked = settings.get("ckpt_path")
-        requeued = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
-        on_slurm = SLURMEnvironment.detect() and (requeued or hpc_checkpoints(Path(self.trainer.default_root_dir)))
         folder = self.run_folder
-        if asked != "last" and not (asked is None and on_slurm):
-            log.info(f"run folder: {folder.path} (a new version of run {folder.name!r})")
+        if asked != "last" and not folder.resumed:
+            log.info(f"run folder: {folder.path} (run {folder.name!r})")
             return
         path = newest_checkpoint(self.trainer)
         settings.ckpt_path = None if path is None else str(path)
@@ -302,8 +312,12 @@ class PackingCLI(LightningCLI):
                 "trainer.limit_train_batches and trainer.accumulate_grad_batches"
             )
         folder = self.run_folder
-        log.info(f"run folder: {folder.path} (run {folder.name!r}); the same command with --ckpt_path=last resumes "
-                 "its newest checkpoint")  # fmt: skip
+        resume = (
+            "; the same command with --ckpt_path=last resumes its newest checkpoint"
+            if self.trainer.checkpoint_callbacks
+            else ""
+        )
+        log.info(f"run folder: {folder.path} (run {folder.name!r}){resume}")
 
     def _run_subcommand(self, subcommand: str) -> None:
         """Lightning's; when a rank this process launched died, the collective that failed here (gloo's "Connection
@@ -328,6 +342,7 @@ class PackingCLI(LightningCLI):
         if checkpointing and not chose_checkpoints:
             callbacks.append(LastCheckpoint())
         callbacks.append(RankWatch())
+        callbacks.append(SameRunFolder())
         if checkpointing and not any(isinstance(cb, PreemptionCheckpoint) for cb in callbacks):
             callbacks.append(PreemptionCheckpoint())  # after the ModelCheckpoints: see its docstring
         plugins = trainer_config.get("plugins") or []
@@ -374,8 +389,9 @@ def sharded_strategy(strategy):
 
 
 def place_run(parser: LightningArgumentParser, subcommand: str, settings: Namespace) -> RunFolder:
-    """Choose this launch's folder (`runs.choose_folder`) and point the trainer (`default_root_dir`) and the default
-    loggers at it; for `validate` and `test`, `--ckpt_path=last` becomes the run's newest complete checkpoint.
+    """Choose this launch's folder (`runs.choose_folder`; a rank Lightning's launcher started takes rank 0's) and
+    point the trainer (`default_root_dir`) and the default loggers at it; for `validate` and `test`,
+    `--ckpt_path=last` becomes the run's newest complete checkpoint.
 
     Raises:
         ConfigError: `validate`/`test --ckpt_path=last` for a run that has no checkpoint.
@@ -384,9 +400,14 @@ def place_run(parser: LightningArgumentParser, subcommand: str, settings: Namesp
     root = Path(trainer.get("default_root_dir") or "runs")
     name = run_name(settings.get("run_name"), settings.get("config") or [])
     asked = settings.get("ckpt_path")
-    requeued = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0 and SLURMEnvironment.detect()
-    folder = choose_folder(root, name, resume=asked == "last" or (subcommand == "fit" and asked is None and requeued))
-    if subcommand != "fit":
+    fit = subcommand == "fit"
+    folder = chosen_by_rank_zero(os.environ) if fit else None
+    if folder is None:
+        claim = fit and is_first_rank(os.environ)
+        folder = choose_folder(root, name, asked == "last", launch_id(os.environ) if fit else None, claim)
+        if claim:
+            os.environ[CHOSEN] = folder.to_environ()  # for the ranks Lightning's launcher starts; `cli_main` clears it
+    if not fit:
         if asked == "last":
             if not folder.resumed:
                 raise ConfigError("--ckpt_path", f"last: run {name!r} has no checkpoint under {root / name}",
@@ -402,12 +423,22 @@ def place_run(parser: LightningArgumentParser, subcommand: str, settings: Namesp
 
 
 def place_loggers(root: Path, folder: RunFolder) -> list[dict]:
-    """The default loggers, writing for `folder`: the CSV file (and the config) in it, W&B's offline run under
-    `<root>/wandb` named after it."""
+    """The default loggers, writing for `folder`: the CSV file (and the config) in it, W&B's run under `<root>/wandb`
+    named after it, offline unless `WANDB_MODE=online` (after `wandb login`)."""
     wandb, csv = (dict(logger, init_args=dict(logger["init_args"])) for logger in DEFAULT_LOGGERS)
-    wandb["init_args"].update(save_dir=str(root), name=f"{folder.name}/{folder.path.name}")
+    wandb["init_args"].update(save_dir=str(root), name=f"{folder.name}/{folder.path.name}",
+                              offline=os.environ.get("WANDB_MODE") != "online")  # fmt: skip
     csv["init_args"].update(save_dir=str(root), name=folder.name, version=folder.launch)
     return [wandb, csv]
+
+
+class SameRunFolder(Callback):
+    """Once the process group exists, every rank's run folder is rank 0's (ranks that torchrun or srun started chose
+    theirs alone: one that started late may have seen rank 0's new version and taken the next)."""
+
+    def setup(self, trainer: Trainer, pl_module, stage: str) -> None:
+        if trainer.world_size > 1:
+            set_default_root_dir(trainer, trainer.strategy.broadcast(trainer.default_root_dir))
 
 
 def newest_checkpoint(trainer: Trainer) -> Path | None:
@@ -440,12 +471,13 @@ def cli_main(args: ArgsType = None, run: bool = True) -> PackingCLI:
 
     quiet_defaults()
     tie_to_launcher()  # a rank that Lightning or torchrun started ends with its launcher, even on SIGKILL
+    finished = False
     try:
         if args is None:
             resolve_config_args()  # rewrites sys.argv[1:] in place: LightningCLI reads it (args and argv both warn)
         elif isinstance(args, (list, tuple)):
             args = resolve_config_args(list(args))
-        return PackingCLI(
+        cli = PackingCLI(
             PackedCausalLM,
             PackingDataModule,
             save_config_callback=LogConfigCallback,
@@ -463,9 +495,16 @@ def cli_main(args: ArgsType = None, run: bool = True) -> PackingCLI:
             args=args,
             run=run,
         )
+        finished = True
+        return cli
     except LitPackingError as error:
         if isinstance(error, ConfigError):
             error = error.under(LINKED)
         if rank_zero_only.rank == 0:  # every rank stops with the same error; one copy of it
             print(f"error: {error}", flush=True)  # the message names the fix; a traceback would bury it
         raise SystemExit(2) from None
+    finally:
+        if "LOCAL_RANK" not in os.environ and CHOSEN in os.environ:  # the process that claimed this launch's folder
+            claimed = RunFolder.from_environ(os.environ.pop(CHOSEN))
+            if not finished:
+                claimed.discard_if_unused()  # a fit that stopped before training leaves no folder

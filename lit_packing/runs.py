@@ -4,30 +4,37 @@
     runs/<run_name>/version_<N>/resume_<K>/ the config and metrics of the K-th launch that resumed it
 
 `run_name` is `--run_name`, else the `--config` files' names joined by `-` (`quickstart`, `paper-padding`), else
-`lit_packing`; the runs go under `trainer.default_root_dir` (`runs`). A fresh fit takes the next version, so two
-experiments from one checkout never write over each other; a resumed one (`--ckpt_path=last`, or a requeued SLURM
-job) continues in the version that holds the run's newest complete checkpoint.
+`lit_packing`; the runs go under `trainer.default_root_dir` (`runs`). A fresh fit takes the next version, claimed
+by creating its folder (so two fits started at once never share one); a fit given `--ckpt_path=last` continues in
+the version that holds the run's newest complete checkpoint; a requeued SLURM job continues in the version its own
+job created, named in the version's `.launch` file.
 
     folder = choose_folder(Path("runs"), "quickstart", resume=True)   # RunFolder(path=runs/quickstart/version_3, ...)
 
-Every rank chooses alone, before the process group exists, and all choose alike: nothing writes into a version
-before every rank has joined the group (the first write is at training start).
+The process that claims is global rank 0 (or the only one). The ranks Lightning's launcher starts take rank 0's
+choice from the environment; ranks that torchrun or srun start choose alone, by the same rule, and what they write
+goes where rank 0 says: Lightning broadcasts rank 0's checkpoint paths, and the run's folder is rank 0's on every
+rank once the process group exists (`agree_on_folder`).
 """
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from lit_packing.callbacks.preemption import hpc_checkpoints
+from lit_packing.checkpoint_io import OLD_SUFFIX
 from lit_packing.errors import AssetError, ConfigError
 
 DEFAULT_NAME = "lit_packing"
 VERSION = re.compile(r"version_(\d+)")
 RESUME = re.compile(r"resume_(\d+)")
 LAST_NAME = re.compile(r"last(-v?\d+)?\.ckpt")  # ModelCheckpoint's `last` file, and its versioned names
-HPC_NAME = re.compile(r"hpc_ckpt_(\d+)\.ckpt")  # the preemption checkpoint (`callbacks.preemption`)
+LAUNCH_FILE = ".launch"  # in a version: the launch (SLURM job, torchrun run) that created it
+CHOSEN = "LIT_PACKING_RUN_FOLDER"  # rank 0's choice, for the ranks Lightning's launcher starts
 _NAME = re.compile(r"[\w.+=-]+")
 
 
@@ -52,6 +59,22 @@ class RunFolder:
     def resumed(self) -> bool:
         return self.checkpoint is not None
 
+    def to_environ(self) -> str:
+        return json.dumps([str(self.path), self.name, self.launch, self.checkpoint and str(self.checkpoint)])
+
+    @classmethod
+    def from_environ(cls, value: str) -> RunFolder:
+        path, name, launch, checkpoint = json.loads(value)
+        return cls(Path(path), name, launch, checkpoint and Path(checkpoint))
+
+    def discard_if_unused(self) -> None:
+        """Remove the folder if nothing but its launch file is in it (a fit that stopped before training)."""
+        entries = list(self.path.iterdir()) if self.path.is_dir() else None
+        if entries is not None and all(entry.name == LAUNCH_FILE for entry in entries):
+            for entry in entries:
+                entry.unlink()
+            self.path.rmdir()
+
 
 def run_name(given: str | None, configs: Iterable[str | Path]) -> str:
     """`given` (`--run_name`), else the config files' names joined by `-`, else `lit_packing`.
@@ -67,6 +90,25 @@ def run_name(given: str | None, configs: Iterable[str | Path]) -> str:
     return "-".join(stems) or DEFAULT_NAME
 
 
+def launch_id(environ: Mapping[str, str]) -> str | None:
+    """What names this launch on every rank and, for SLURM, across its requeues: the job (an array's task), or
+    torchrun's run id when it has one; None for a launch from a shell.
+
+    >>> launch_id({"SLURM_JOB_ID": "42", "SLURM_NTASKS": "16"}), launch_id({"TORCHELASTIC_RUN_ID": "none"})
+    ('slurm:42', None)
+    """
+    if "SLURM_JOB_ID" in environ and "SLURM_NTASKS" in environ:
+        array = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+        return f"slurm:{array[0]}_{array[1]}" if all(array) else f"slurm:{environ['SLURM_JOB_ID']}"
+    run = environ.get("TORCHELASTIC_RUN_ID")
+    return f"torchrun:{run}" if run and run != "none" else None
+
+
+def is_first_rank(environ: Mapping[str, str]) -> bool:
+    """Whether this process is global rank 0, or the only one, as its launcher says (before any process group)."""
+    return all(environ.get(key, "0") == "0" for key in ("RANK", "SLURM_PROCID"))
+
+
 def versions(run: Path) -> list[Path]:
     """The run's `version_<N>` folders, by N."""
     found = [p for p in run.iterdir() if p.is_dir() and VERSION.fullmatch(p.name)] if run.is_dir() else []
@@ -74,42 +116,85 @@ def versions(run: Path) -> list[Path]:
 
 
 def checkpoints_in(folder: Path) -> set[Path]:
-    """The checkpoints `--ckpt_path=last` considers in a run's folder: `checkpoints/last*.ckpt` and the
-    preemption's `hpc_ckpt_<N>.ckpt`."""
-    found = {p for p in folder.iterdir() if HPC_NAME.fullmatch(p.name)} if folder.is_dir() else set()
+    """The checkpoints `--ckpt_path=last` considers in a run's folder: `checkpoints/last*.ckpt` (a file, or a
+    sharded run's folder), the preemption's `hpc_ckpt_<N>.ckpt`, and a sharded checkpoint that stepped aside for
+    a save killed before the new one took its name (`.last.ckpt.old`, put back when the fit resumes)."""
+    found = set(hpc_checkpoints(folder).values())
     saved = folder / "checkpoints"
-    return found | ({p for p in saved.iterdir() if LAST_NAME.fullmatch(p.name)} if saved.is_dir() else set())
+    if saved.is_dir():
+        found |= {p for p in saved.iterdir() if LAST_NAME.fullmatch(p.name)}
+        found |= {
+            p
+            for p in saved.iterdir()
+            if p.name.endswith(OLD_SUFFIX)
+            and LAST_NAME.fullmatch(p.name[1:].removesuffix(OLD_SUFFIX))
+            and not (saved / p.name[1:].removesuffix(OLD_SUFFIX)).exists()
+        }
+    return found
 
 
 def newest_complete(candidates: Iterable[Path], skipped=None) -> Path | None:
-    """The newest (by modification time) of `candidates` that reads as a complete checkpoint, or None; each one
-    skipped as damaged (empty, cut short, unreadable) is passed to `skipped(path, problem)`."""
-    from lit_packing.preflight import read_checkpoint
+    """The newest (by modification time) of `candidates` that reads as a complete checkpoint (a sharded one: its
+    `meta.pt`), or None; each one skipped as damaged (empty, cut short, unreadable) is passed to
+    `skipped(path, problem)`."""
+    from lit_packing.preflight import SHARDED_METADATA, read_checkpoint
 
     for path in sorted(candidates, key=lambda p: p.stat().st_mtime, reverse=True):
         try:
-            read_checkpoint(path)
-        except AssetError as error:
+            read_checkpoint(path / SHARDED_METADATA if path.is_dir() else path, str(path))
+        except (AssetError, OSError) as error:
             if skipped is not None:
-                skipped(path, error.problem.removeprefix(str(path)).strip())
+                problem = error.problem if isinstance(error, AssetError) else str(error)
+                skipped(path, problem.removeprefix(str(path)).strip())
             continue
         return path
     return None
 
 
-def choose_folder(root: Path, name: str, resume: bool) -> RunFolder:
-    """This launch's folder: with `resume`, the version holding the run's newest complete checkpoint (a fresh
-    version when there is none); otherwise the next version (the last one, if a launch left it empty)."""
+def choose_folder(root: Path, name: str, resume: bool, launch: str | None = None, claim: bool = False) -> RunFolder:
+    """This launch's folder: the version a launch of the same id (`launch_id`) created, if any (a requeued SLURM
+    job's, or rank 0's for the other ranks of this launch); else with `resume` the version holding the run's newest
+    complete checkpoint; else, or when there is none, the next version, created when `claim` (with its launch
+    file), the number after it if another fit took it meanwhile."""
     run = root / name
     found = versions(run)
+    own = next((v for v in reversed(found) if launch and _launch_of(v) == launch), None)
+    if own is not None:
+        return _resumed(own, name, newest_complete(checkpoints_in(own)))
     if resume:
         newest = newest_complete(path for version in found for path in checkpoints_in(version))
         if newest is not None:
-            version = newest.parent if HPC_NAME.fullmatch(newest.name) else newest.parent.parent
-            resumes = [p for p in version.iterdir() if p.is_dir() and RESUME.fullmatch(p.name)]
-            number = 1 + max((int(RESUME.fullmatch(p.name)[1]) for p in resumes), default=0)
-            return RunFolder(version, name, f"{version.name}/resume_{number}", newest)
-    number = int(VERSION.fullmatch(found[-1].name)[1]) if found else -1
-    if not found or any(found[-1].iterdir()):  # an empty one is a launch that stopped before training: reused
-        number += 1
+            return _resumed(newest.parent if newest.parent.name != "checkpoints" else newest.parent.parent, name,
+                            newest)  # fmt: skip
+    number = 1 + int(VERSION.fullmatch(found[-1].name)[1]) if found else 0
+    while claim:
+        try:
+            (run / f"version_{number}").mkdir(parents=True)
+        except FileExistsError:
+            number += 1
+            continue
+        if launch:
+            (run / f"version_{number}" / LAUNCH_FILE).write_text(launch + "\n")
+        break
     return RunFolder(run / f"version_{number}", name, f"version_{number}")
+
+
+def _launch_of(version: Path) -> str | None:
+    try:
+        return (version / LAUNCH_FILE).read_text().strip()
+    except OSError:
+        return None
+
+
+def _resumed(version: Path, name: str, checkpoint: Path | None) -> RunFolder:
+    """`version` continued by this launch, its config and metrics in the next `resume_<K>` (none yet: the first)."""
+    if checkpoint is None:
+        return RunFolder(version, name, version.name)
+    resumes = [p for p in version.iterdir() if p.is_dir() and RESUME.fullmatch(p.name)]
+    number = 1 + max((int(RESUME.fullmatch(p.name)[1]) for p in resumes), default=0)
+    return RunFolder(version, name, f"{version.name}/resume_{number}", checkpoint)
+
+
+def chosen_by_rank_zero(environ: Mapping[str, str]) -> RunFolder | None:
+    """Rank 0's choice, in a rank that Lightning's launcher started (`LOCAL_RANK` set, `CHOSEN` inherited)."""
+    return RunFolder.from_environ(environ[CHOSEN]) if "LOCAL_RANK" in environ and CHOSEN in environ else None

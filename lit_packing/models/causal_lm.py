@@ -65,7 +65,7 @@ from lit_packing.models.preference import (
     preference_metrics,
     preference_settings,
 )
-from lit_packing.models.quantize import QuantizationKind
+from lit_packing.models.quantize import QuantizationKind, check_quantized_strategy
 from lit_packing.models.reference import CHECKPOINT_KEY, PrecomputedReference, reference_logps, weights_fingerprint
 from lit_packing.models.selftest import check_isolation
 from lit_packing.models.sharding import clip_grad_norm, is_sharded, shard_count, sync_gradients
@@ -250,6 +250,8 @@ class PackedCausalLM(LightningModule):
     def setup(self, stage: str) -> None:
         if stage == "fit":
             check_strategy(type(self.trainer.strategy).__name__)
+            if self.hparams.quantization is not None:
+                check_quantized_strategy(self.hparams.quantization, type(self.trainer.strategy).__name__)
         device = self.trainer.strategy.root_device
         if self.packing is not None:  # a deferred model is packed once it holds its values (`configure_model`)
             self._place_backend(device)

@@ -35,7 +35,13 @@ from lit_packing.models.materialize import (
 )
 from lit_packing.models.mixers import MixerChoice
 from lit_packing.models.pack import Packing, check_backend_here, pack_model
-from lit_packing.models.quantize import Quantization, keep_trainable, prepare, quantization_settings
+from lit_packing.models.quantize import (
+    Quantization,
+    check_mergeable,
+    keep_trainable,
+    prepare,
+    quantization_settings,
+)
 from lit_packing.models.selftest import PADDED_FIX
 from lit_packing.models.sharding import (
     data_parallel_mesh,
@@ -106,7 +112,10 @@ def load_causal_lm(
     else:
         path = resolve_pretrained(model)
         with _own_attention_table(model, implementation):
-            quantized = {} if quantization is None else {"quantization_config": quantization.config()}
+            # Quantized on the host (transformers would put every rank's copy on the current GPU, the first): the
+            # trainer then moves each rank's to its own device.
+            quantized = {} if quantization is None else {"quantization_config": quantization.config(),
+                                                         "device_map": {"": "cpu"}}  # fmt: skip
             lm = AutoModelForCausalLM.from_pretrained(
                 path, attn_implementation=implementation, dtype=torch_dtype(dtype) or torch.float32, **quantized
             )
@@ -308,6 +317,8 @@ def build_models(hp, deferred: bool, copy_reference: bool) -> Built:
     lora = hp["lora"]
     quantization = quantization_settings(hp["quantization"], hp["quantization_dtype"], hp["double_quantization"],
                                          lora, hp["model_config"], deferred)  # fmt: skip
+    if lora and hp["export_dir"] and not hp["export_adapters_only"]:
+        check_mergeable(lora)
     if deferred and not lora_init_supported(lora):
         raise ConfigError("model.lora", f"init_lora_weights={lora['init_lora_weights']!r} is not made on the "
                           "meta-device build of a sharded strategy (only peft's default)",

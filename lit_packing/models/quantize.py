@@ -88,6 +88,27 @@ def quantization_settings(
     return Quantization(kind, compute_dtype, double)
 
 
+def check_quantized_strategy(kind: str, strategy: str) -> None:
+    """Refuse a strategy that would shard or wrap a bitsandbytes base (FSDP1, DeepSpeed): one process per device
+    (DDP) holds the whole quantized base."""
+    if strategy not in ("SingleDeviceStrategy", "DDPStrategy"):
+        raise ConfigError(SETTING, f"a bitsandbytes-quantized ({kind}) base runs on one device or under DDP, not "
+                          f"under {strategy}", "set trainer.strategy=ddp (or auto)")  # fmt: skip
+
+
+def check_mergeable(lora: dict) -> None:
+    """Refuse adapters whose merge `merged_weights` does not compute (DoRA's magnitudes, `modules_to_save` copies):
+    their export is peft's adapter folder.
+
+    Raises:
+        ConfigError: naming `model.export_adapters_only`.
+    """
+    unmerged = [key for key in ("use_dora", "modules_to_save") if lora.get(key)]
+    if unmerged:
+        raise ConfigError("model.export_adapters_only", f"the merged export does not fold {unmerged[0]} into "
+                          "the base weights", "set it to true (peft's adapter folder)")  # fmt: skip
+
+
 def prepare(lm: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
     """peft's k-bit preparation: the parameters that stay unquantized (embeddings, norms, head) in full precision,
     every weight frozen; and the embeddings' output requiring gradients with or without checkpointing: bitsandbytes
@@ -144,9 +165,9 @@ def merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                 weight = dequantize_module_weight(layer).to(dtype)
                 for adapter in module.active_adapters:
                     weight = weight + module.get_delta_weight(adapter).to(dtype)
-                merged[f"{prefix}weight"] = weight
+                merged[f"{prefix}weight"] = weight.cpu()
                 if getattr(layer, "bias", None) is not None:
-                    merged[f"{prefix}bias"] = layer.bias.detach().to(dtype)
+                    merged[f"{prefix}bias"] = layer.bias.detach().to("cpu", dtype)
                 continue
             if any(isinstance(parent, LoraLayer) for parent in _parents(base, name)):
                 continue  # inside an adapted layer: its base layer and adapters, taken above
@@ -154,7 +175,9 @@ def merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                 if key in module._non_persistent_buffers_set:  # noqa: SLF001
                     continue
                 quantized = type(tensor).__name__ in QUANTIZED_PARAMETERS  # a layer the adapters leave alone
-                merged[f"{prefix}{key}"] = dequantize_module_weight(module).to(dtype) if quantized else tensor.detach()
+                merged[f"{prefix}{key}"] = (
+                    (dequantize_module_weight(module).to(dtype) if quantized else tensor).detach().cpu()
+                )
     return merged
 
 

@@ -12,7 +12,7 @@ from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.errors import ConfigError
 from lit_packing.models import PackedCausalLM
 from lit_packing.models.materialize import deferred_weights
-from lit_packing.models.quantize import stored_bytes
+from lit_packing.models.quantize import check_quantized_strategy, stored_bytes
 from tests.helpers import make_examples
 from tests.models.test_causal_lm import LENGTHS, chunks, run_one_step
 
@@ -46,6 +46,11 @@ def test_what_cannot_train_is_refused_in_one_line(saved):
         PackedCausalLM(model_config=SHAPE, quantization="nf4", lora=LORA, memory_check=False)
     with deferred_weights(), pytest.raises(ConfigError, match="not sharded by FSDP2 here.*trainer.strategy=ddp"):
         PackedCausalLM(name_or_path=saved, quantization="nf4", lora=LORA, memory_check=False)
+    with pytest.raises(ConfigError, match="model.quantization: .* not under FSDPStrategy; set trainer.strategy=ddp"):
+        check_quantized_strategy("nf4", "FSDPStrategy")
+    check_quantized_strategy("nf4", "DDPStrategy")
+    with pytest.raises(ConfigError, match="model.export_adapters_only: the merged export does not fold use_dora"):
+        PackedCausalLM(name_or_path=saved, lora={**LORA, "use_dora": True}, export_dir="out", memory_check=False)
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
