@@ -120,7 +120,7 @@ part 45 "sharded: DDP on $GPUS GPU(s), SmolLM2-135M, bf16-mixed, 8 steps (peak m
 part 45 "sharded: FSDP2 over $GPUS GPU(s), the same run (peak memory per rank in the summary, against DDP's)" \
   "$PYTHON" "${SHARDED_FIT[@]}" --config configs/fsdp2.yaml --trainer.strategy.init_args.data_parallel_size="$GPUS"
 
-part 60 "QLoRA: full fine-tune, bf16-base LoRA and NF4 QLoRA of a 1.2B random Llama, bf16-mixed, peak memory" \
+part 60 "QLoRA: full fine-tune, fp32-base LoRA and NF4 QLoRA of a 1.2B random Llama, bf16-mixed, peak memory" \
   "$PYTHON" -m benchmarks.qlora --accelerator gpu --hidden 2048 --layers 24 --steps 4
 
 if (( GPUS > 1 )); then

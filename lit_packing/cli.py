@@ -372,7 +372,8 @@ def rank_died(trainer: Trainer, died: str) -> str:
         return f"{died} at optimizer step {trainer.global_step:,}; no checkpoint was saved in this launch"
     argv = sys.argv
     kept = [arg for i, arg in enumerate(argv) if not arg.startswith("--ckpt_path") and argv[i - 1] != "--ckpt_path"]
-    command = shlex.join(["python", *kept, f"--ckpt_path={saved}"])
+    own = Path(saved) in checkpoints_in(Path(trainer.default_root_dir))  # what --ckpt_path=last finds, in its folder
+    command = shlex.join(["python", *kept, "--ckpt_path=last" if own else f"--ckpt_path={saved}"])
     return f"{died} at optimizer step {trainer.global_step:,}; the last checkpoint: {saved}; resume with: {command}"
 
 

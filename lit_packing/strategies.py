@@ -83,11 +83,12 @@ class ShardedStrategy(ModelParallelStrategy):
         tp = 1 if tp == "auto" else int(tp)
         dp = world // (cp * tp) if dp == "auto" else int(dp)
         if dp * cp * tp != world:
-            setting = CP_SIZE_SETTING if cp > 1 else "trainer.strategy.init_args.data_parallel_size"
+            blamed = "tensor" if model_parallel_sizes(self)[0] == "auto" else "data"  # auto data parallel fits any
+            setting = CP_SIZE_SETTING if cp > 1 else f"trainer.strategy.init_args.{blamed}_parallel_size"
             raise ConfigError(setting, f"data_parallel_size={dp} x context_parallel_size={cp} x tensor_parallel_size="
                               f"{tp} is not the {world} ranks (trainer.devices x trainer.num_nodes)",
-                              "make them multiply to the ranks, or set data_parallel_size: auto (what the other "
-                              "two leave)")  # fmt: skip
+                              "make them multiply to the ranks (data_parallel_size: auto takes what the other two "
+                              "leave)")  # fmt: skip
         set_model_parallel(self, dp * cp, tp)  # Lightning's 2-D mesh, which checks them against the world
         super().setup_environment()
         if cp > 1:

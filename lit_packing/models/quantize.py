@@ -9,7 +9,7 @@ bitsandbytes and to peft's k-bit helpers.
 
 The quantized layers hold their weights as stored (NF4 or FP4: 4 bits a weight plus a scale per block of 64, itself
 quantized with `double_quantization`; int8: a byte a weight and a scale per row); the embeddings, norms and the LM
-head stay in the run's dtype, as k-bit training prepares them. Packing does not change: the attention layers run
+head are kept in fp32, as peft's k-bit preparation casts them. Packing does not change: the attention layers run
 the same packed kernels, the isolation self-test runs on the quantized model.
 """
 

@@ -161,7 +161,8 @@ def test_the_scaling_deltas_keep_the_gpu_bases_packs_and_take_every_rank(capsys)
      {"num_nodes": 2}),
     ({"devices": "auto", "num_nodes": 3}, {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"},
      {"devices": 4}),
-    ({"devices": "auto"}, {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "bash"}, {}),  # an interactive allocation
+    ({"devices": "auto"}, {"SLURM_NTASKS": "8", "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "4",
+                           "SLURM_JOB_NAME": "bash"}, {}),  # an interactive allocation: its shell is no launcher
     ({"devices": "auto"}, {}, {}),
 ])  # fmt: skip
 def test_a_launchers_shape_fills_the_settings_left_open(trainer, environ, shape):

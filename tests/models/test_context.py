@@ -217,7 +217,7 @@ def test_the_mesh_sizes_must_make_the_world_or_are_refused_naming_the_setting(cp
         finally:
             torch.distributed.destroy_process_group()
         return
-    setting = CP_SIZE_SETTING if cp > 1 else "trainer.strategy.init_args.data_parallel_size"
+    setting = CP_SIZE_SETTING if cp > 1 else "trainer.strategy.init_args.tensor_parallel_size"  # data: auto
     with pytest.raises(ConfigError, match=f"{setting}: .*context_parallel_size={cp} .* is not the {devices} ranks"):
         strategy.setup_environment()
     with pytest.raises(ConfigError, match="not a number of ranks"):
