@@ -20,7 +20,8 @@ CORE = ("lit_packing.batch", "lit_packing.cost", "lit_packing.errors", "lit_pack
         "lit_packing.data.collate", "lit_packing.models.segments", "lit_packing.models.kernels",
         "lit_packing.models.backends", "lit_packing.models.attention", "lit_packing.models.loss",
         "lit_packing.models.mixers", "lit_packing.models.guard", "lit_packing.models.selftest",
-        "lit_packing.models.probe", "lit_packing.models.pack", "lit_packing.models.head", "lit_packing.models.optim",
+        "lit_packing.models.probe", "lit_packing.models.pack", "lit_packing.models.head", "lit_packing.models.quantize",
+        "lit_packing.models.optim",
         "lit_packing.models.weights", "lit_packing.models.sharding", "lit_packing.models.preference",
         "lit_packing.models.context")  # fmt: skip
 LIGHTNING = ("lit_packing.assets", "lit_packing.loggers", "lit_packing.contract", "lit_packing.checkpoint_io",

@@ -118,6 +118,8 @@ class PackedCausalLM(LightningModule):
         gradient_checkpointing: recompute activations in the backward pass (less memory, ~30% more compute).
         compile: `torch.compile` the transformers decoder (automatic dynamic shapes: a new T recompiles once, then
             T is symbolic); `train/recompiles` counts the graphs compiled after the first step.
+        optimizer: `adamw` (torch's), or `adamw8bit` (bitsandbytes': the two moments in 8 bits, ~2 bytes a
+            parameter instead of 8; one device or DDP).
         lora: `peft.LoraConfig` kwargs (e.g. `{r: 16, lora_alpha: 32, target_modules: all-linear}`): train adapters.
         quantization: QLoRA: the pretrained base's linear layers quantized as they load (`nf4`, `fp4`: 4 bits a
             weight; `int8`), adapters (`lora`, required) trained on top (`quantize.py`; needs bitsandbytes).
@@ -166,6 +168,7 @@ class PackedCausalLM(LightningModule):
         min_lr_ratio: float = 0.0,
         gradient_checkpointing: bool = False,
         compile: bool = False,
+        optimizer: Literal["adamw", "adamw8bit"] = "adamw",
         lora: dict | None = None,
         quantization: QuantizationKind | None = None,
         quantization_dtype: DType = "float32",

@@ -44,6 +44,7 @@ import torch
 from lit_packing.batch import StepShape
 from lit_packing.errors import StepMemoryError
 from lit_packing.models.activations import activation_model
+from lit_packing.models.quantize import adamw_8bit_state_bytes, is_quantized
 from lit_packing.models.sharding import gathered_parameter_bytes, local_tensor
 
 log = logging.getLogger(__name__)
@@ -330,8 +331,13 @@ def memory_model(lm: Any, precision: str, padded: bool) -> MemoryModel:
         resident=resident,
         available=available,
         limit=resident + available if cap is None else min(resident + available, int(cap * GiB)),
-        optimizer=2 * grad_bytes,  # exp_avg, exp_avg_sq
-        autocast_weights=half * sum(local_tensor(p).numel() for p in lm.parameters() if p.ndim == 2),
+        # exp_avg, exp_avg_sq: as the gradients, or about a byte each with adamw8bit
+        optimizer=int(adamw_8bit_state_bytes(trainable))
+        if lm.hparams.get("optimizer") == "adamw8bit"
+        else 2 * grad_bytes,
+        # bitsandbytes' layers dequantize their own weights: autocast makes no copy of them
+        autocast_weights=half
+        * sum(local_tensor(p).numel() for p in lm.parameters() if p.ndim == 2 and not is_quantized(p)),  # fmt: skip
         gradients=grad_bytes,
         head_gradient=head_bytes if head.requires_grad else 0,
         activation_fit=tuple(float(x) for x in fit),

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from lit_packing.errors import ConfigError
+from lit_packing.models.quantize import adamw_8bit
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +29,17 @@ def adamw_and_schedule(lm, hp: Mapping[str, Any]) -> dict:
     # clip gradients for such an optimizer, so a clipped mixed-precision run takes the foreach kernel.
     mixed = str(trainer.precision).endswith("-mixed")
     fused = lm.device.type == "cuda" and not (mixed and (trainer.gradient_clip_val or 0) > 0)
-    optimizer = torch.optim.AdamW(
-        parameter_groups(lm.model, hp["weight_decay"]), lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
-        fused=fused or None,
-    )  # fmt: skip
+    groups, settings = (
+        parameter_groups(lm.model, hp["weight_decay"]),
+        dict(lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"]),
+    )
+    if hp.get("optimizer", "adamw") == "adamw8bit":
+        if getattr(lm, "shard_count", 1) > 1:
+            raise ConfigError("model.optimizer", "adamw8bit keeps its 8-bit states per whole parameter; FSDP2 splits "
+                              "them", "use adamw under a sharded strategy")  # fmt: skip
+        optimizer = adamw_8bit(groups, **settings)
+    else:
+        optimizer = torch.optim.AdamW(groups, **settings, fused=fused or None)
 
     def schedule(total: float) -> Callable[[int], float]:
         kind = hp["scheduler"]

@@ -109,6 +109,34 @@ def check_mergeable(lora: dict) -> None:
                           "the base weights", "set it to true (peft's adapter folder)")  # fmt: skip
 
 
+def adamw_8bit(groups: list[dict], **settings) -> torch.optim.Optimizer:
+    """bitsandbytes' AdamW with its two moments in 8 bits (block-wise quantized: ~2 bytes a parameter instead of 8).
+
+    Raises:
+        ConfigError: bitsandbytes is not installed (naming `model.optimizer`).
+    """
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise ConfigError("model.optimizer", "adamw8bit needs bitsandbytes, which is not installed",
+                          'pip install "lit_packing[qlora]", or use adamw') from None  # fmt: skip
+    return bitsandbytes.optim.AdamW8bit(groups, **settings)
+
+
+EIGHT_BIT_MIN = 4096  # bitsandbytes keeps a smaller parameter's moments in fp32 (its optimizers' `min_8bit_size`)
+
+
+def adamw_8bit_state_bytes(parameters: list[torch.Tensor]) -> int:
+    """What `adamw_8bit`'s two moments take: a byte each per element of a parameter of `EIGHT_BIT_MIN` elements or
+    more (plus a scale per block of 256), 4 bytes each below."""
+    return sum(2 * p.numel() * (1 + 4 / 256) if p.numel() >= EIGHT_BIT_MIN else 8 * p.numel() for p in parameters)
+
+
+def is_quantized(tensor: torch.Tensor) -> bool:
+    """Whether a parameter is bitsandbytes' (packed 4-bit or int8 weights, dequantized by their own layer)."""
+    return type(tensor).__name__ in QUANTIZED_PARAMETERS
+
+
 def prepare(lm: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
     """peft's k-bit preparation: the parameters that stay unquantized (embeddings, norms, head) in full precision,
     every weight frozen; and the embeddings' output requiring gradients with or without checkpointing: bitsandbytes
@@ -174,7 +202,7 @@ def merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for key, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
                 if key in module._non_persistent_buffers_set:  # noqa: SLF001
                     continue
-                quantized = type(tensor).__name__ in QUANTIZED_PARAMETERS  # a layer the adapters leave alone
+                quantized = is_quantized(tensor)  # a layer the adapters leave alone
                 merged[f"{prefix}{key}"] = (
                     (dequantize_module_weight(module).to(dtype) if quantized else tensor).detach().cpu()
                 )

@@ -12,7 +12,7 @@ from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.errors import ConfigError
 from lit_packing.models import PackedCausalLM
 from lit_packing.models.materialize import deferred_weights
-from lit_packing.models.quantize import check_quantized_strategy, stored_bytes
+from lit_packing.models.quantize import EIGHT_BIT_MIN, check_quantized_strategy, stored_bytes
 from tests.helpers import make_examples
 from tests.models.test_causal_lm import LENGTHS, chunks, run_one_step
 
@@ -117,3 +117,26 @@ def test_the_merged_export_is_base_plus_scaled_adapters_and_loads_without_peft(s
     lm.hparams.export_adapters_only = True
     lm.export(str(tmp_path / "adapters"))
     assert (tmp_path / "adapters" / "adapter_config.json").exists()
+
+
+def test_adamw8bit_keeps_its_moments_in_a_byte_and_resumes_them(tiny_llama_config):
+    """The full-weight route's 8-bit AdamW: a step trains every weight, the moments are bytes (and counted so by the
+    memory estimate), and its state round-trips through a state dict as a checkpoint holds it."""
+    from lit_packing.models.memory import memory_model
+
+    torch.manual_seed(0)
+    lm = PackedCausalLM(model_config=tiny_llama_config, optimizer="adamw8bit", lr=1e-3, memory_check=False)
+    before = {name: p.detach().clone() for name, p in lm.named_parameters()}
+    run_one_step(lm, [PackedCollator()(make_examples(LENGTHS))], 1, precision="32-true")
+    optimizer = lm.trainer.optimizers[0]
+    assert type(optimizer).__name__ == "AdamW8bit"
+    states = {p: state for p, state in optimizer.state.items() if "state1" in state}
+    assert all((s["state1"].dtype == torch.uint8) == (p.numel() >= EIGHT_BIT_MIN) for p, s in states.items())
+    assert any(s["state1"].dtype == s["state2"].dtype == torch.uint8 for s in states.values())
+    assert any(not torch.equal(p, before[name]) for name, p in lm.named_parameters())
+    restored = type(optimizer)(optimizer.param_groups)
+    restored.load_state_dict(optimizer.state_dict())
+    assert all(torch.equal(restored.state[p]["state1"], s["state1"]) for p, s in states.items())
+    held = sum(t.numel() * t.element_size() for s in states.values() for k, t in s.items()
+               if k in ("state1", "state2", "absmax1", "absmax2"))  # fmt: skip
+    assert memory_model(lm, "32-true", padded=False).optimizer == pytest.approx(held, rel=0.01)
