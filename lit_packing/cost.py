@@ -11,6 +11,7 @@ w caps the keys: L * min(L, w)).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any, TypedDict
@@ -92,6 +93,14 @@ def hardware_flops(shape: ModelShape, counts: Counts) -> float:
     return per_token * counts["slot_tokens"] + per_pair * counts["attn_cost"]
 
 
+def weights_in(parameter: torch.Tensor) -> int:
+    """The weights a parameter stands for: its elements, or for a 4-bit quantized one (bitsandbytes packs two
+    weights a byte) the shape its quantization state keeps."""
+    state = getattr(parameter, "quant_state", None)
+    shape = getattr(state, "shape", None) if state is not None else None
+    return math.prod(shape) if shape is not None else parameter.numel()
+
+
 def model_shape(model: torch.nn.Module) -> ModelShape:
     """Matmul parameters (trainable, frozen), attention width and per-layer sliding windows of a Hugging Face model.
 
@@ -101,9 +110,9 @@ def model_shape(model: torch.nn.Module) -> ModelShape:
     trainable = frozen = 0
     for p in model.parameters():
         if p.requires_grad:
-            trainable += p.numel()
+            trainable += weights_in(p)
         else:
-            frozen += p.numel()
+            frozen += weights_in(p)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if embed is not None and (output is None or output.weight is not embed.weight):

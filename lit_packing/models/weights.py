@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lit_packing.cost import flop_coefficients, model_shape
+from lit_packing.cost import flop_coefficients, model_shape, weights_in
 from lit_packing.errors import AssetError, DataError, TrainingError
 
 
@@ -24,8 +24,8 @@ def describe_model(model: torch.nn.Module) -> str:
     an attended pair`
     """
     unique = {id(p): p for p in model.parameters()}.values()
-    trainable = sum(p.numel() for p in unique if p.requires_grad)
-    frozen = sum(p.numel() for p in unique if not p.requires_grad)
+    trainable = sum(weights_in(p) for p in unique if p.requires_grad)
+    frozen = sum(weights_in(p) for p in unique if not p.requires_grad)
     per_token, per_pair = flop_coefficients(model_shape(model))
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return (

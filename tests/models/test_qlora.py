@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from lit_packing.cost import model_shape
 from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.errors import ConfigError
 from lit_packing.models import PackedCausalLM
@@ -62,6 +63,13 @@ def test_the_quantized_base_is_packed_and_trains_its_adapters_alone(saved, kind)
     assert type(layer.self_attn.k_proj).__name__ == ("Linear4bit" if kind == "nf4" else "Linear8bitLt")
     trainable = {name for name, p in lm.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in name for name in trainable)
+    # The start-up line and the FLOP count see every weight, 4-bit ones (two a byte) included.
+    quantized, plain = (
+        model_shape(lm.model),
+        model_shape(AutoModelForCausalLM.from_config(AutoConfig.for_model(**SHAPE))),
+    )
+    adapters = sum(p.numel() for p in lm.model.parameters() if p.requires_grad)
+    assert quantized["frozen_params"] + quantized["trainable_params"] == plain["trainable_params"] + adapters
 
 
 def test_4_bit_weights_take_under_a_third_of_their_bf16_bytes(saved):
