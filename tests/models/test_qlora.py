@@ -148,3 +148,26 @@ def test_adamw8bit_keeps_its_moments_in_a_byte_and_resumes_them(tiny_llama_confi
     held = sum(t.numel() * t.element_size() for s in states.values() for k, t in s.items()
                if k in ("state1", "state2", "absmax1", "absmax2"))  # fmt: skip
     assert memory_model(lm, "32-true", padded=False).optimizer == pytest.approx(held, rel=0.01)
+
+
+@pytest.mark.slow  # three short fits through the CLI
+def test_a_qlora_fit_resumes_exactly(tmp_path, monkeypatch):
+    """Stopped after 2 steps and resumed to 3 (`--ckpt_path=last`: the adapters from the checkpoint, the base quantized
+    again as it loads), the adapters equal those of 3 steps run straight."""
+    from lit_packing.cli import cli_main
+    from tests.cli.test_configs import saved_tiny
+
+    monkeypatch.chdir(tmp_path)
+    common = ["fit", "--config", "qlora", f"--model.name_or_path={saved_tiny(tmp_path)}", "--data.limit=64",
+              "--data.max_length=256", "--data.sampler.init_args.max_tokens=512", "--trainer.logger=false",
+              "--model.lr=1e-2"]  # fmt: skip
+
+    def adapters(cli) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in cli.model.named_parameters() if "lora_" in n}
+
+    straight = adapters(cli_main([*common, "--run_name=straight", "--trainer.max_steps=3"]))
+    cli_main([*common, "--run_name=resumed", "--trainer.max_steps=2"])
+    resumed = adapters(cli_main([*common, "--run_name=resumed", "--trainer.max_steps=3", "--ckpt_path=last"]))
+    assert straight.keys() == resumed.keys() and straight
+    for name, tensor in straight.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=0, msg=name)
