@@ -118,7 +118,8 @@ def resolve_config_args(args: list[str] | None = None) -> list[str]:
 
 
 def _resolve(value: str) -> str:
-    """A `--config` value: an existing file, a path or an inline YAML string unchanged; a name as its packaged path."""
-    if Path(value).exists() or not _NAME.fullmatch(value):
+    """A `--config` value: an existing file, a path or an inline YAML string unchanged; a name as its packaged path
+    (also where a folder of that name is in the way: a run's, `runs/quickstart` under `default_root_dir: .`)."""
+    if Path(value).is_file() or not _NAME.fullmatch(value):
         return value
     return str(config_path(value))

@@ -188,6 +188,13 @@ def test_the_subcommands_are_the_ones_that_do_something(capsys):
     assert "invalid choice: 'predict' (choose from 'fit', 'validate', 'test')" in err
 
 
+def test_a_name_beside_a_folder_of_that_name_is_still_the_packaged_config(tmp_path, monkeypatch, capsys):
+    """A run folder named after its config (`default_root_dir: .` writes `./quickstart/version_0`) is no config."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "quickstart" / "version_0").mkdir(parents=True)
+    assert resolved(["--config", "quickstart"], capsys)["data"]["limit"] == 600
+
+
 def test_an_unknown_name_lists_the_packaged_ones(capsys):
     err = error_line(["fit", "--config", "quickstrat"], capsys)
     assert "'quickstrat' is neither a file nor a packaged config" in err
