@@ -17,13 +17,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lit_packing"
 CORE = ("lit_packing.batch", "lit_packing.cost", "lit_packing.errors", "lit_packing.text", "lit_packing._compat",
         "lit_packing.processes", "lit_packing.agree", "lit_packing.core",
         "lit_packing.samplers",
-        "lit_packing.data.collate", "lit_packing.models.segments", "lit_packing.models.kernels",
+        "lit_packing.data.collate", "lit_packing.data.groups", "lit_packing.models.segments",
+        "lit_packing.models.kernels",
         "lit_packing.models.backends", "lit_packing.models.attention", "lit_packing.models.loss",
         "lit_packing.models.mixers", "lit_packing.models.guard", "lit_packing.models.selftest",
         "lit_packing.models.probe", "lit_packing.models.pack", "lit_packing.models.head", "lit_packing.models.quantize",
         "lit_packing.models.optim",
         "lit_packing.models.weights", "lit_packing.models.sharding", "lit_packing.models.preference",
-        "lit_packing.models.context")  # fmt: skip
+        "lit_packing.models.grpo", "lit_packing.models.context")  # fmt: skip
 LIGHTNING = ("lit_packing.assets", "lit_packing.loggers", "lit_packing.contract", "lit_packing.checkpoint_io",
              "lit_packing.strategies",
              "lit_packing.data", "lit_packing.models", "lit_packing.callbacks", "lit_packing.configs")  # fmt: skip

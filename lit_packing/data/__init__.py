@@ -11,6 +11,7 @@ _HOMES = {
     "collate": ("PackedCollator", "PaddedCollator", "PairCollator"),
     "datamodule": ("PackingDataModule",),
     "encode": ("DEFAULT_CHAT_TEMPLATE",),
+    "groups": ("GroupCollator",),
     "mixture": ("Mixture",),
     "packaged": ("ChampChats", "ChampPairs", "ChampProblems", "Chatterbot", "HumanEval", "StateOfTheUnion"),
     "report": ("TokenizationReport",),

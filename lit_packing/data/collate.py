@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from lit_packing.samplers import PackPlan
 
 
-def _host_entries(examples: list[dict[str, Any]]) -> dict[str, Any]:
+def host_entries(examples: list[dict[str, Any]]) -> dict[str, Any]:
     """`rows` of the examples that know their source row, and the optimizer step's totals of a `Pack`."""
     host: dict[str, Any] = {ROWS: [int(ex[INDEX]) for ex in examples if INDEX in ex]}
     step = getattr(examples, "step", None)
@@ -77,7 +77,7 @@ def _host_entries(examples: list[dict[str, Any]]) -> dict[str, Any]:
     return host
 
 
-def _as_array(values: Any) -> np.ndarray:
+def as_array(values: Any) -> np.ndarray:
     return np.asarray(values, dtype=np.int64)
 
 
@@ -185,16 +185,17 @@ class PackedCollator:
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         _refuse_pairs(examples, type(self).__name__)
-        return self._collate(examples)
+        return self.collate_examples(examples)
 
-    def _collate(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        host = _host_entries(examples)
+    def collate_examples(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        """`__call__` without its check that the examples are single sequences (for collators built on this one)."""
+        host = host_entries(examples)
         examples = [ex for ex in examples if len(ex[INPUT_IDS]) > 0]
-        ids = [_as_array(ex[INPUT_IDS]) for ex in examples]
+        ids = [as_array(ex[INPUT_IDS]) for ex in examples]
         lengths = [len(x) for x in ids]
         labels = []
         for ex, x in zip(examples, ids):
-            y = _as_array(ex[LABELS]).copy() if LABELS in ex else x.copy()
+            y = as_array(ex[LABELS]).copy() if LABELS in ex else x.copy()
             y[0] = IGNORE_INDEX
             labels.append(y)
         real = sum(lengths)
@@ -291,78 +292,92 @@ class PairCollator:
         return self.packed.plan_slots(plan)
 
     def __call__(self, pairs: list[dict[str, Any]]) -> dict[str, Any]:
-        host = _host_entries(pairs)
+        host = host_entries(pairs)
         sides = [_pair_sides(pair) for pair in pairs]
         if self.share_prompt:
             batch = self._shared(sides)
         else:
             sequences = [{INPUT_IDS: x, LABELS: y} for side in sides for x, y in side]
-            batch = self.packed._collate(sequences)
+            batch = self.packed.collate_examples(sequences)
             batch[PAIRS] = torch.arange(2 * len(pairs), dtype=torch.int64).view(len(pairs), 2)
         batch.update(host)
         return batch
 
     def _shared(self, sides: list[tuple[tuple[np.ndarray, np.ndarray], ...]]) -> dict[str, Any]:
         """The row of `share_prompt`: per pair a prompt segment and two continuation segments (see the class)."""
-        ids, labels, lengths, keys, key_index, offsets = [], [], [], [], [], []
-        start = 0
+        groups = []
         for (chosen, chosen_labels), (rejected, rejected_labels) in sides:
             prompt = _prompt_length(chosen, chosen_labels, rejected, rejected_labels)
             chosen_labels, rejected_labels = chosen_labels.copy(), rejected_labels.copy()
             chosen_labels[0] = rejected_labels[0] = IGNORE_INDEX  # as each sequence's first label is, unshared
-            ids += [chosen[:prompt], chosen[prompt:], rejected[prompt:]]
-            labels += [chosen_labels[:prompt], chosen_labels[prompt:], rejected_labels[prompt:]]
-            sizes = (prompt, len(chosen) - prompt, len(rejected) - prompt)
-            lengths += sizes
-            keys += [prompt, prompt + sizes[1], prompt + sizes[2]]
-            offsets += [0, prompt, prompt]
-            prompt_keys = np.arange(start, start + prompt)
-            chosen_start, rejected_start = start + prompt, start + prompt + sizes[1]
-            key_index += [
-                prompt_keys,
-                np.concatenate([prompt_keys, np.arange(chosen_start, rejected_start)]),
-                np.concatenate([prompt_keys, np.arange(rejected_start, rejected_start + sizes[2])]),
-            ]
-            start += sum(sizes)
-        real = start
-        total = int(padded_lengths(np.array([max(real, 1)]), self.packed.pad_to_multiple_of,
-                                   self.packed.bucket_sizes)[0])  # fmt: skip
-        pad = total - real
-        segments, key_lengths = lengths + ([pad] if pad else []), keys + ([pad] if pad else [])
-        if pad:
-            ids.append(np.full(pad, self.packed.pad_token_id, dtype=np.int64))
-            labels.append(np.full(pad, IGNORE_INDEX, dtype=np.int64))
-            key_index.append(np.arange(real, total))
-            offsets.append(0)
-        seg_lens = np.asarray(segments, dtype=np.int64)
-        cu_q = np.concatenate([[0], np.cumsum(seg_lens)])
-        cu_k = np.concatenate([[0], np.cumsum(key_lengths)])
-        position_ids = np.arange(total) - np.repeat(cu_q[:-1] - np.asarray(offsets), seg_lens)
-        label_row = np.concatenate(labels)
+            continuations = [(chosen[prompt:], chosen_labels[prompt:]), (rejected[prompt:], rejected_labels[prompt:])]
+            groups.append((chosen[:prompt], chosen_labels[:prompt], continuations))
+        batch, _ = shared_row(groups, self.packed)
         n = len(sides)
-        return {
-            INPUT_IDS: torch.from_numpy(np.concatenate(ids))[None],
-            LABELS: torch.from_numpy(label_row)[None],
-            POSITION_IDS: torch.from_numpy(position_ids)[None],
-            CU_SEQ_LENS_Q: torch.from_numpy(cu_q.astype(np.int32)),
-            CU_SEQ_LENS_K: torch.from_numpy(cu_k.astype(np.int32)),
-            MAX_LENGTH_Q: int(seg_lens.max()),
-            MAX_LENGTH_K: int(max(key_lengths)),
-            KEY_INDEX: torch.from_numpy(np.concatenate(key_index).astype(np.int64)),
-            SEQ_IDX: torch.from_numpy(np.repeat(np.arange(len(segments)), segments).astype(np.int32))[None],
-            PAIRS: torch.stack([torch.arange(1, 3 * n, 3), torch.arange(2, 3 * n, 3)], dim=1),
-            PROMPTS: torch.arange(0, 3 * n, 3),
-            COUNTS: batch_counts(
-                lengths,
-                label_tokens=int((label_row != IGNORE_INDEX).sum()),
-                slot_tokens=total,
-                attn_cost=attention_cost(segments, keys=key_lengths),
-                keys=keys,
-                examples=2 * n,
-            ),
-            LENGTHS: lengths,
-            KEY_LENGTHS: keys,
-        }
+        batch[PAIRS] = torch.stack([torch.arange(1, 3 * n, 3), torch.arange(2, 3 * n, 3)], dim=1)
+        return batch
+
+
+def shared_row(
+    groups: Sequence[tuple[np.ndarray, np.ndarray, Sequence[tuple[np.ndarray, np.ndarray]]]], packed: PackedCollator
+) -> tuple[dict[str, Any], list[int]]:
+    """One packed row of prompts each run once: per group (prompt ids, prompt labels, [(continuation ids, labels),
+    ...]) a prompt segment then one segment per continuation, each continuation attending to its prompt's keys and
+    its own (`key_index`), its positions continuing after the prompt; `prompts` names each group's prompt segment.
+    Tail padding as `packed` pads. Returns the batch and each continuation's segment (in order)."""
+    ids, labels, lengths, keys, key_index, offsets, continued = [], [], [], [], [], [], []
+    start = 0
+    for prompt_ids, prompt_labels, continuations in groups:
+        prompt = len(prompt_ids)
+        prompt_keys = np.arange(start, start + prompt)
+        ids.append(prompt_ids), labels.append(prompt_labels), lengths.append(prompt), keys.append(prompt)
+        key_index.append(prompt_keys), offsets.append(0)
+        start += prompt
+        for continuation, continuation_labels in continuations:
+            size = len(continuation)
+            continued.append(len(lengths))
+            ids.append(continuation), labels.append(continuation_labels), lengths.append(size)
+            keys.append(prompt + size), offsets.append(prompt)
+            key_index.append(np.concatenate([prompt_keys, np.arange(start, start + size)]))
+            start += size
+    real = start
+    total = int(padded_lengths(np.array([max(real, 1)]), packed.pad_to_multiple_of, packed.bucket_sizes)[0])
+    pad = total - real
+    segments, key_lengths = lengths + ([pad] if pad else []), keys + ([pad] if pad else [])
+    if pad:
+        ids.append(np.full(pad, packed.pad_token_id, dtype=np.int64))
+        labels.append(np.full(pad, IGNORE_INDEX, dtype=np.int64))
+        key_index.append(np.arange(real, total))
+        offsets.append(0)
+    seg_lens = np.asarray(segments, dtype=np.int64)
+    cu_q = np.concatenate([[0], np.cumsum(seg_lens)])
+    cu_k = np.concatenate([[0], np.cumsum(key_lengths)])
+    position_ids = np.arange(total) - np.repeat(cu_q[:-1] - np.asarray(offsets), seg_lens)
+    label_row = np.concatenate(labels)
+    prompt_segments = sorted(set(range(len(lengths))) - set(continued))
+    batch = {
+        INPUT_IDS: torch.from_numpy(np.concatenate(ids))[None],
+        LABELS: torch.from_numpy(label_row)[None],
+        POSITION_IDS: torch.from_numpy(position_ids)[None],
+        CU_SEQ_LENS_Q: torch.from_numpy(cu_q.astype(np.int32)),
+        CU_SEQ_LENS_K: torch.from_numpy(cu_k.astype(np.int32)),
+        MAX_LENGTH_Q: int(seg_lens.max()),
+        MAX_LENGTH_K: int(max(key_lengths)),
+        KEY_INDEX: torch.from_numpy(np.concatenate(key_index).astype(np.int64)),
+        SEQ_IDX: torch.from_numpy(np.repeat(np.arange(len(segments)), segments).astype(np.int32))[None],
+        PROMPTS: torch.tensor(prompt_segments, dtype=torch.int64),
+        COUNTS: batch_counts(
+            lengths,
+            label_tokens=int((label_row != IGNORE_INDEX).sum()),
+            slot_tokens=total,
+            attn_cost=attention_cost(segments, keys=key_lengths),
+            keys=keys,
+            examples=len(continued),
+        ),
+        LENGTHS: lengths,
+        KEY_LENGTHS: keys,
+    }
+    return batch, continued
 
 
 def _pair_sides(pair: dict[str, Any]) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
@@ -372,7 +387,7 @@ def _pair_sides(pair: dict[str, Any]) -> tuple[tuple[np.ndarray, np.ndarray], tu
             "PairCollator got an example that is no whole preference pair: the data needs prompt, chosen and "
             "rejected columns, and a sampler that keeps examples whole (not FixedLengthPackingSampler)"
         )
-    ids, labels, split = _as_array(pair[INPUT_IDS]), _as_array(pair[LABELS]), int(pair[CHOSEN_TOKENS])
+    ids, labels, split = as_array(pair[INPUT_IDS]), as_array(pair[LABELS]), int(pair[CHOSEN_TOKENS])
     if not 0 < split < len(ids):
         raise DataError(f"a pair needs a chosen and a rejected sequence: chosen_tokens={split} of {len(ids)}")
     return (ids[:split], labels[:split]), (ids[split:], labels[split:])
@@ -423,7 +438,7 @@ class PaddedCollator:
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         _refuse_pairs(examples, type(self).__name__)
-        host = _host_entries(examples)
+        host = host_entries(examples)
         examples = [ex for ex in examples if len(ex[INPUT_IDS]) > 0]
         lengths = [len(ex[INPUT_IDS]) for ex in examples] or [0]
         width = int(padded_lengths(np.array([max(max(lengths), 1)]), self.pad_to_multiple_of, None)[0])
@@ -434,8 +449,8 @@ class PaddedCollator:
         if not examples:
             attention_mask[0, 0] = 1  # an empty pack: one masked token so every rank still steps
         for row, ex in enumerate(examples):
-            x = _as_array(ex[INPUT_IDS])
-            y = _as_array(ex[LABELS]).copy() if LABELS in ex else x.copy()
+            x = as_array(ex[INPUT_IDS])
+            y = as_array(ex[LABELS]).copy() if LABELS in ex else x.copy()
             y[0] = IGNORE_INDEX
             input_ids[row, : len(x)] = torch.from_numpy(x)
             labels[row, : len(x)] = torch.from_numpy(y)

@@ -17,6 +17,8 @@ __all__ = [
     "BACKENDS",
     "IsolationError",
     "LossParts",
+    "GRPO",
+    "Objective",
     "PackedCausalLM",
     "Packing",
     "causal_lm_loss",
@@ -32,4 +34,8 @@ def __getattr__(name: str):
         from lit_packing.models.causal_lm import PackedCausalLM
 
         return PackedCausalLM
+    if name in ("GRPO", "Objective"):
+        from lit_packing.models import objectives
+
+        return getattr(objectives, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,8 +7,9 @@ Lightning's hooks over the parts, each in its module: the model's build (`loadin
 strategy on the meta device, then split and filled shard by shard: `materialize`), made packed (`pack`); the loss
 from the last hidden states chunk by chunk, one global mean over the optimizer step's micro-batches and ranks, so
 that packing never changes the gradient (`loss`); the memory estimate and `max_tokens: auto` (`memory`); the
-batch guard (`guard`) and isolation self-test (`selftest`); the numerics guard (`numerics`); preference objectives
-and their reference (`preference`, `reference`); AdamW and its schedule (`optim`); the export (`export`).
+batch guard (`guard`) and isolation self-test (`selftest`); the numerics guard (`numerics`); the objective, one
+seam (`objectives`: sft, the preference objectives, GRPO's family) and its reference (`reference`); AdamW and its
+schedule (`optim`); the export (`export`).
 Validation logs `val/loss`, `val/perplexity` and `val/token_accuracy`, on which packed and padded batches agree.
 """
 
@@ -23,7 +24,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule
 
 from lit_packing._compat import accumulates, attached_trainer, compiled_graphs
-from lit_packing.batch import LABELS, ROWS, StepShape, is_packed, model_inputs
+from lit_packing.batch import ROWS, StepShape, is_packed, model_inputs
 from lit_packing.contract import DataContract, DataModelConnection, ModelContract
 from lit_packing.cost import model_shape
 from lit_packing.models.backends import AttnBackend, VarlenImpl, activation_dtype
@@ -44,11 +45,8 @@ from lit_packing.models.loss import (
     HeadInputs,
     LossImpl,
     LossNormalization,
-    LossParts,
-    causal_lm_loss,
     check_loss_settings,
     check_strategy,
-    eval_sums,
     gradient_factor,
     step_normalizer,
 )
@@ -56,17 +54,11 @@ from lit_packing.models.materialize import deferring, is_meta
 from lit_packing.models.memory import MemoryEstimate, check_fit_memory, largest_fitting
 from lit_packing.models.mixers import MixerChoice
 from lit_packing.models.numerics import finite_step
+from lit_packing.models.objectives import Objective, make_objective
 from lit_packing.models.optim import adamw_and_schedule
 from lit_packing.models.pack import pack_model
-from lit_packing.models.preference import (
-    PreferenceParts,
-    pair_logps,
-    preference_loss,
-    preference_metrics,
-    preference_settings,
-)
 from lit_packing.models.quantize import QuantizationKind, check_quantized_strategy
-from lit_packing.models.reference import CHECKPOINT_KEY, PrecomputedReference, reference_logps, weights_fingerprint
+from lit_packing.models.reference import CHECKPOINT_KEY, PrecomputedReference, weights_fingerprint
 from lit_packing.models.selftest import check_isolation
 from lit_packing.models.sharding import clip_grad_norm, is_sharded, shard_count, sync_gradients
 from lit_packing.models.weights import check_checkpoint_weights, check_token_ids, describe_model
@@ -131,7 +123,8 @@ class PackedCausalLM(LightningModule):
         export_adapters_only: with LoRA, export the adapters alone (peft's folder) instead of the merged model.
         objective: `sft` (default): next-token cross-entropy; `dpo`, `ipo`, `simpo`, `orpo`: a preference objective
             on packed pairs (data.collator PairCollator, configs/dpo.yaml; see `preference.py`), the loss the mean
-            over every pair of the optimizer step (`loss_normalization` does not apply).
+            over every pair of the optimizer step (`loss_normalization` does not apply); or an `Objective` by
+            `class_path` with its own settings (`lit_packing.models.GRPO`: policy gradient on rollout groups).
         beta: the preference objective's beta (dpo / ipo / simpo: the reward's scale; orpo: the odds-ratio weight).
         simpo_gamma_beta_ratio: SimPO's target margin, as a fraction of beta.
         reference: where dpo / ipo take the reference log-probs from: `precomputed` (default: one no-grad pass of
@@ -177,7 +170,7 @@ class PackedCausalLM(LightningModule):
         export_dir: str | None = None,
         export_adapters_only: bool = False,
         nonfinite: NonFinite = "error",
-        objective: Literal["sft", "dpo", "ipo", "simpo", "orpo"] = "sft",
+        objective: Literal["sft", "dpo", "ipo", "simpo", "orpo"] | Objective = "sft",
         beta: float = 0.1,
         simpo_gamma_beta_ratio: float = 0.5,
         reference: Literal["precomputed", "copy", "lora"] = "precomputed",
@@ -192,8 +185,8 @@ class PackedCausalLM(LightningModule):
         self._deferred, self._init_seed = deferring(), torch.initial_seed()
         with torch.device("cpu") if self._deferred else contextlib.nullcontext():
             with named_model_settings():
-                self.preference = preference_settings(objective, beta, simpo_gamma_beta_ratio, reference, lora)
-            needs = self.preference is not None and self.preference.needs_reference
+                self.objective = make_objective(objective, self.hparams)
+            needs = self.objective.needs_reference
             # reference=copy: the initial model, frozen, held outside the module tree (not trained, not saved in
             # checkpoints), placed on the trainer's device at fit start (sharded like the policy when it is).
             self.model, self.packing, self.frozen_copies = build_models(self.hparams, self._deferred,
@@ -206,7 +199,7 @@ class PackedCausalLM(LightningModule):
 
     def _init_state(self) -> None:
         hp = self.hparams
-        self._metric_names: list[str] = []  # the preference metrics summed in `_step_totals` after loss and count
+        self._metric_names: list[str] = []  # the objective's metrics summed in `_step_totals` after loss and count
         self.eval_totals = EvalTotals(("val", "test"))
         self._step_totals: torch.Tensor | None = None  # [token loss sum, label tokens] of this step on this rank
         self._isolation_pending = hp.isolation_check
@@ -405,36 +398,17 @@ class PackedCausalLM(LightningModule):
         return self(batch) if self.hparams.loss_impl == "full" else self.head_inputs(batch)
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
-        parts, metrics = self._loss_parts(batch)
-        normalizer = self._step_normalizer(batch, parts)
+        parts, metrics = self.objective.loss(self, batch)
+        normalizer = step_normalizer(batch, parts, self.objective.normalizer, self.trainer.world_size,
+                                     self.trainer.accumulate_grad_batches)  # fmt: skip
         self._metric_names = list(metrics)
-        local = torch.stack([parts.token_loss_sum.detach(), parts.label_tokens.detach(), *metrics.values()])
-        local = local.to(_accumulator_dtype(local.device))
+        values = [parts.token_loss_sum, parts.label_tokens, *(v for pair in metrics.values() for v in pair)]
+        dtype = _accumulator_dtype(parts.objective.device)
+        local = torch.stack([value.detach().to(dtype) for value in values])
         self._step_totals = local if self._step_totals is None else self._step_totals + local
         trainer = self.trainer
         factor = gradient_factor(type(trainer.strategy).__name__, trainer.world_size, trainer.accumulate_grad_batches)
         return parts.objective * (factor / normalizer)
-
-    def _loss_parts(self, batch: Mapping[str, Any]) -> tuple[LossParts, dict[str, torch.Tensor]]:
-        """This micro-batch's loss sums and, for a preference objective, its metrics' sums over its pairs (a pair
-        counts as one: `label_tokens` is the number of pairs)."""
-        if self.preference is None:
-            return causal_lm_loss(self.loss_outputs(batch), batch, self.hparams.loss_normalization), {}
-        parts = self._preference_parts(batch, "train")
-        pairs = torch.tensor(float(len(parts.chosen_rewards)), device=parts.loss_sum.device)
-        return LossParts(parts.loss_sum, pairs, parts.loss_sum, pairs), preference_metrics(parts)
-
-    def _preference_parts(self, batch: Mapping[str, Any], stage: str) -> PreferenceParts:
-        """The preference objective's parts of a batch: the policy's log-probs against the reference's, read from
-        the precomputed table, or computed by the frozen copy or the model with its adapter off."""
-        policy = pair_logps(self.loss_outputs(batch), batch)
-        return preference_loss(policy, reference_logps(self, batch, stage, policy), self.preference)
-
-    def _step_normalizer(self, batch: Mapping[str, Any], parts) -> int | torch.Tensor:
-        """The optimizer step's global label tokens (or sequences, or pairs): from the batch, else this
-        micro-batch's (`loss.step_normalizer`)."""
-        key = "label_tokens" if self.hparams.loss_normalization == "token" and self.preference is None else "sequences"
-        return step_normalizer(batch, parts, key, self.trainer.world_size, self.trainer.accumulate_grad_batches)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Log `train/loss`, the step's per-token mean over all ranks: summed locally, reduced at logging steps only
@@ -450,8 +424,9 @@ class PackedCausalLM(LightningModule):
             return
         totals = trainer.strategy.reduce(totals, reduce_op="sum")
         self.log("train/loss", totals[0] / totals[1].clamp_min(1), prog_bar=True, on_step=True, on_epoch=False)
-        for name, total in zip(self._metric_names, totals[2:]):  # preference metrics: means over the step's pairs
-            self.log(f"train/{name}", total / totals[1].clamp_min(1), on_step=True, on_epoch=False)
+        for k, name in enumerate(self._metric_names):  # the objective's metrics: (sum, count) each
+            total, count = totals[2 + 2 * k], totals[3 + 2 * k]
+            self.log(f"train/{name}", total / count.clamp_min(1), on_step=True, on_epoch=False)
 
     def configure_gradient_clipping(
         self,
@@ -473,12 +448,7 @@ class PackedCausalLM(LightningModule):
         self._eval_step(batch, "test")
 
     def _eval_step(self, batch: Mapping[str, Any], stage: str) -> None:
-        if self.preference is not None:  # the objective's mean over pairs, and how often chosen out-rewards rejected
-            parts = self._preference_parts(batch, stage)
-            pairs = torch.tensor(len(parts.chosen_rewards), device=parts.loss_sum.device)
-            self.eval_totals.update(stage, parts.loss_sum, pairs, (parts.chosen_rewards > parts.rejected_rewards).sum())
-        else:
-            self.eval_totals.update(stage, *eval_sums(self.loss_outputs(batch), batch[LABELS]))
+        self.eval_totals.update(stage, *self.objective.evaluate(self, batch, stage))
 
     def on_validation_epoch_end(self) -> None:
         self._log_eval("val")
@@ -489,11 +459,8 @@ class PackedCausalLM(LightningModule):
     def _log_eval(self, stage: str) -> None:
         loss, accuracy = self.eval_totals.compute(stage)  # over every step and rank, then reset
         self.log(f"{stage}/loss", loss, prog_bar=True)
-        if self.preference is not None:
-            self.log(f"{stage}/reward_accuracy", accuracy)
-            return
-        self.log(f"{stage}/perplexity", loss.exp())
-        self.log(f"{stage}/token_accuracy", accuracy)
+        for name in self.objective.eval_metrics:
+            self.log(f"{stage}/{name}", loss.exp() if name == "perplexity" else accuracy)
 
     # Optimizer, export
 

@@ -286,7 +286,7 @@ def apply_lora(lm: PreTrainedModel, lora: dict) -> torch.nn.Module:
 
 # Core parameters that are `model.<name>` settings (a core `ConfigError` naming one is re-raised with that path).
 MODEL_SETTINGS = ("attn_backend", "varlen_impl", "mixers", "loss_impl", "loss_normalization", "loss_chunk_size",
-                  "objective", "beta", "simpo_gamma_beta_ratio", "reference")  # fmt: skip
+                  "objective", "beta", "simpo_gamma_beta_ratio", "reference", "lora")  # fmt: skip
 
 
 @contextlib.contextmanager

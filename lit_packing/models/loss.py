@@ -29,7 +29,18 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lit_packing.batch import CU_SEQ_LENS_Q, IGNORE_INDEX, LABELS, SEQ_IDX, STEP, is_packed
+from lit_packing.batch import (
+    COMPLETIONS,
+    CU_SEQ_LENS_Q,
+    GROUPS,
+    IGNORE_INDEX,
+    LABELS,
+    PAIRS,
+    PROMPTS,
+    SEQ_IDX,
+    STEP,
+    is_packed,
+)
 from lit_packing.errors import ConfigError, DataError, check_range
 
 LossNormalization = Literal["token", "sequence"]
@@ -138,6 +149,30 @@ def predicted_losses(outputs: torch.Tensor | HeadInputs, sources: torch.Tensor, 
         return _chunked_losses(outputs, outputs.hidden[0].index_select(0, sources), targets)
     logits = outputs[0].index_select(0, sources)
     return F.cross_entropy(logits.to(_loss_dtype(logits.dtype)), targets, reduction="none")
+
+
+def label_sources(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions (N,) of a one-row batch's label tokens and the positions (N,) that predict them: the one
+    before, except a continuation's first token after a shared prompt (`PROMPTS`), predicted from its prompt's last
+    position (not the token before it in the row, another continuation's last), so that position predicts several.
+
+    >>> batch = {"labels": torch.tensor([[-100, -100, 7, 8, 9]]), "cu_seq_lens_q": torch.tensor([0, 2, 4, 5]),
+    ...          "prompts": torch.tensor([0]), "completions": torch.tensor([1, 2]), "groups": torch.tensor([0, 0])}
+    >>> [t.tolist() for t in label_sources(batch)]
+    [[2, 3, 4], [1, 2, 1]]
+    """
+    labels = batch[LABELS][0]
+    sources = torch.arange(-1, len(labels) - 1, device=labels.device)  # position 0 is never a label
+    if PROMPTS in batch:
+        cu = batch[CU_SEQ_LENS_Q].to(labels.device).long()
+        prompts = batch[PROMPTS].to(labels.device)
+        if PAIRS in batch:
+            continued, prompt_of = batch[PAIRS].to(labels.device).reshape(-1), prompts.repeat_interleave(2)
+        else:
+            continued, prompt_of = batch[COMPLETIONS].to(labels.device), prompts[batch[GROUPS].to(labels.device)]
+        sources[cu[:-1][continued]] = cu[1:][prompt_of] - 1
+    where = torch.nonzero(labels != IGNORE_INDEX).reshape(-1)
+    return where, sources[where]
 
 
 def head_token_losses(inputs: HeadInputs, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

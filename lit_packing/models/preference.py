@@ -32,12 +32,13 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from lit_packing.batch import CU_SEQ_LENS_Q, IGNORE_INDEX, LABELS, PAIRS, PROMPTS
+from lit_packing.batch import CU_SEQ_LENS_Q, LABELS, PAIRS, PROMPTS
 from lit_packing.errors import ConfigError, check_range
 from lit_packing.models.loss import (
     HeadInputs,
     batch_segments,
     head_token_losses,
+    label_sources,
     per_example_losses,
     predicted_losses,
     token_losses,
@@ -46,7 +47,6 @@ from lit_packing.models.loss import (
 Objective = Literal["dpo", "ipo", "simpo", "orpo"]
 OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
-REFERENCES = ("precomputed", "copy", "lora")  # model.reference: where dpo / ipo take the reference log-probs from
 
 
 @dataclass(frozen=True)
@@ -121,17 +121,10 @@ def sequence_logps(outputs: torch.Tensor | HeadInputs, batch: Mapping[str, Any])
 
 def _shared_prompt_logps(outputs: torch.Tensor | HeadInputs, batch: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
     """`sequence_logps` of a row with shared prompts (`PairCollator(share_prompt=True)`): a continuation's first
-    token is predicted from its prompt's last position (not the token before it in the row, the chosen
-    continuation's last for the rejected one), so that position predicts two tokens; every other label is
-    predicted from the position before it, as unshared."""
-    labels = batch[LABELS][0]
-    cu = batch[CU_SEQ_LENS_Q].to(labels.device).long()
-    pairs, prompts = batch[PAIRS].to(labels.device), batch[PROMPTS].to(labels.device)
-    sources = torch.arange(-1, len(labels) - 1, device=labels.device)  # position 0 is never a label
-    sources[cu[:-1][pairs].reshape(-1)] = (cu[1:][prompts] - 1).repeat_interleave(2)
-    where = torch.nonzero(labels != IGNORE_INDEX).reshape(-1)
-    losses = predicted_losses(outputs, sources[where], labels[where])
-    segments, n = batch_segments(batch)[0, where], cu.shape[0] - 1
+    token is predicted from its prompt's last position (`loss.label_sources`)."""
+    where, sources = label_sources(batch)
+    losses = predicted_losses(outputs, sources, batch[LABELS][0, where])
+    segments, n = batch_segments(batch)[0, where], batch[CU_SEQ_LENS_Q].shape[0] - 1
     sums = losses.new_zeros(n).index_add_(0, segments, losses)
     return -sums, losses.new_zeros(n).index_add_(0, segments, torch.ones_like(losses))
 
@@ -182,19 +175,9 @@ def _log1m_exp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def preference_settings(
-    objective: str, beta: float, simpo_gamma_beta_ratio: float, reference: str, lora: dict | None
-) -> PreferenceSettings | None:
-    """The preference settings of a `PackedCausalLM` (None for `objective=sft`), its reference checked."""
-    if objective == "sft":
-        return None
-    settings = PreferenceSettings(objective, beta, simpo_gamma_beta_ratio)
-    if reference not in REFERENCES:
-        raise ConfigError("reference", f"{reference!r} is not a reference", f"use {', '.join(REFERENCES)}")
-    if settings.needs_reference and reference == "lora" and not lora:
-        raise ConfigError("reference", "lora takes the reference from the model with its adapter disabled",
-                          "set model.lora (LoraConfig kwargs) or {reference}=copy")  # fmt: skip
-    return settings
+def preference_settings(objective: str, beta: float, simpo_gamma_beta_ratio: float) -> PreferenceSettings:
+    """The preference settings of a `PackedCausalLM` (`model.objective`, `model.beta`, ...), checked."""
+    return PreferenceSettings(objective, beta, simpo_gamma_beta_ratio)
 
 
 def preference_metrics(parts: PreferenceParts) -> dict[str, torch.Tensor]:

@@ -271,7 +271,7 @@ def reference_logps(lm, batch: Mapping[str, Any], stage: str, policy: PairLogps)
     an objective without a reference (simpo, orpo)."""
     if lm.precomputed is not None:
         return lm.precomputed.lookup(stage, batch.get(ROWS, []), policy)
-    if not lm.preference.needs_reference:
+    if not lm.objective.needs_reference:
         return None
     with torch.no_grad():
         if lm.frozen_copies:

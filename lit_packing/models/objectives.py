@@ -1,0 +1,217 @@
+"""Training objectives, one seam: what `PackedCausalLM` minimises, chosen in YAML as samplers are.
+
+    model:
+      objective: dpo                                        # a name: sft | dpo | ipo | simpo | orpo
+      objective:                                            # or a class, with its own settings
+        class_path: lit_packing.models.GRPO
+        init_args: {loss_type: dapo, epsilon: 0.2}
+
+An objective says what it reads from a batch and which forwards it runs (the policy; a reference through
+`reference.reference_logps`), returns its loss as a sum over the micro-batch with the sums of its metrics, names
+the optimizer step's total it is divided by (`normalizer`: a key of `batch["step"]`, counted by the plan on the host
+before the step, so the split of a step into micro-batches and ranks never changes the gradient), and evaluates.
+`PackedCausalLM` calls these and nothing else; it never branches on an objective's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lit_packing.batch import ADVANTAGES, BEHAVIOUR_LOGPS, GROUPS, LABELS, REWARDS
+from lit_packing.errors import ConfigError
+from lit_packing.models.grpo import GRPOSettings, completion_logps, group_advantages, grpo_loss
+from lit_packing.models.head import head_inputs
+from lit_packing.models.loss import LossNormalization, LossParts, causal_lm_loss, eval_sums
+from lit_packing.models.preference import (
+    PreferenceSettings,
+    pair_logps,
+    preference_loss,
+    preference_metrics,
+    preference_settings,
+)
+
+REFERENCES = ("precomputed", "copy", "lora")  # model.reference: where an objective takes reference log-probs from
+
+
+class Objective:
+    """The seam. Subclasses set `normalizer` and implement `loss`; `evaluate` / `eval_metrics` default to the
+    objective's own loss as a mean over its normaliser's units.
+
+    Attributes:
+        normalizer: the key of the optimizer step's totals (`batch["step"]`) the step's loss sum is divided by:
+            `label_tokens` or `sequences` (items with a label: examples, pairs, or a group's completions).
+        needs_reference: whether a reference model's log-probs enter the loss (`model.reference` says where from).
+        reference_keys: the reference settings this objective takes (`precomputed`, `copy`, `lora`).
+        eval_metrics: what `evaluate`'s accuracy is logged as (`<stage>/<name>`); `perplexity` is exp(loss).
+    """
+
+    normalizer: str = "label_tokens"
+    needs_reference: bool = False
+    reference_keys: tuple[str, ...] = REFERENCES
+    eval_metrics: tuple[str, ...] = ("perplexity", "token_accuracy")
+
+    def check(self, reference: str, lora: dict | None) -> None:
+        """Refuse, in one line naming the setting, a reference this objective cannot take."""
+        if not self.needs_reference:
+            return
+        if reference not in self.reference_keys:
+            raise ConfigError("reference", f"{type(self).__name__} cannot take its reference {reference!r}",
+                              f"use {' or '.join(self.reference_keys)}")  # fmt: skip
+        if reference == "lora" and not lora:
+            raise ConfigError("reference", "lora takes the reference from the model with its adapter disabled",
+                              "set {lora} (LoraConfig kwargs) or {reference}=copy")  # fmt: skip
+
+    def loss(self, lm, batch: Mapping[str, Any]) -> tuple[LossParts, dict[str, torch.Tensor]]:
+        """This micro-batch's `LossParts` (`objective` is the sum to divide by the step's `normalizer` total,
+        `token_loss_sum` / `label_tokens` what `train/loss` logs) and its metrics as (sum, count) each: logged as
+        the step's sum over its count, over every micro-batch and rank."""
+        raise NotImplementedError
+
+    def evaluate(self, lm, batch: Mapping[str, Any], stage: str) -> tuple[torch.Tensor, ...]:
+        """Validation sums of a batch: (loss sum, count, correct), summed over steps and ranks by `EvalTotals`."""
+        raise NotImplementedError
+
+
+class SFT(Objective):
+    """Next-token cross-entropy on the label tokens, one mean over the step's tokens (`token`) or over its
+    examples of each example's token mean (`sequence`, LongAlign)."""
+
+    def __init__(self, normalization: LossNormalization = "token") -> None:
+        self.normalization = normalization
+        self.normalizer = "label_tokens" if normalization == "token" else "sequences"
+
+    def loss(self, lm, batch):
+        return causal_lm_loss(lm.loss_outputs(batch), batch, self.normalization), {}
+
+    def evaluate(self, lm, batch, stage):
+        return eval_sums(lm.loss_outputs(batch), batch[LABELS])
+
+
+class Preference(Objective):
+    """DPO, IPO, SimPO or ORPO on packed pairs (`preference.py`), the loss the mean over the step's pairs;
+    evaluated as the loss over pairs and how often the chosen side out-rewards the rejected one."""
+
+    normalizer = "sequences"  # a pair is one item of the plan
+    eval_metrics = ("reward_accuracy",)
+
+    def __init__(self, settings: PreferenceSettings) -> None:
+        self.settings = settings
+        self.needs_reference = settings.needs_reference
+
+    def parts(self, lm, batch, stage: str):
+        """The policy's log-probs of the batch's pairs against the reference's (`reference.reference_logps`)."""
+        from lit_packing.models.reference import reference_logps
+
+        policy = pair_logps(lm.loss_outputs(batch), batch)
+        return preference_loss(policy, reference_logps(lm, batch, stage, policy), self.settings)
+
+    def loss(self, lm, batch):
+        parts = self.parts(lm, batch, "train")
+        pairs = torch.tensor(float(len(parts.chosen_rewards)), device=parts.loss_sum.device)
+        metrics = {name: (total, pairs) for name, total in preference_metrics(parts).items()}
+        return LossParts(parts.loss_sum, pairs, parts.loss_sum, pairs), metrics
+
+    def evaluate(self, lm, batch, stage):
+        parts = self.parts(lm, batch, stage)
+        pairs = torch.tensor(len(parts.chosen_rewards), device=parts.loss_sum.device)
+        return parts.loss_sum, pairs, (parts.chosen_rewards > parts.rejected_rewards).sum()
+
+
+class GRPO(Objective):
+    """Policy gradient on packed rollout groups (GRPO and its relatives: `grpo.py`), each prompt run once
+    (data.collator `GroupCollator`); TRL's `GRPOTrainer` settings and meanings. The reference (`beta` > 0) is a
+    frozen copy (`model.reference: copy`) or the model with its adapter off (`lora`). Logs `train/reward`,
+    `train/advantage`, `train/kl`, `train/entropy`, `train/completion_length` and the clip fractions.
+
+    Args:
+        loss_type: grpo | dr_grpo | dapo | bnpo | cispo | luspo.
+        epsilon: the ratio's lower clip (1 - epsilon).
+        epsilon_high: its upper clip (1 + epsilon_high; None: epsilon); cispo: the cap of its ratio.
+        beta: the weight of the KL (k3) to the reference; 0 runs no reference.
+        importance_sampling_level: `token`, or `sequence` (GSPO).
+        max_completion_length: dr_grpo's constant: the generation limit of the completions.
+        advantages: from rewards: `grpo` (the group's mean subtracted) or `rloo` (the mean of the others).
+        scale_rewards: `group` (divided by the group's std) or `none`.
+    """
+
+    reference_keys = ("copy", "lora")
+    eval_metrics = ()
+
+    def __init__(
+        self,
+        loss_type: str = "dapo",
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        beta: float = 0.0,
+        importance_sampling_level: str = "token",
+        max_completion_length: int | None = None,
+        advantages: str = "grpo",
+        scale_rewards: str = "group",
+    ) -> None:
+        self.settings = GRPOSettings(loss_type, epsilon, epsilon_high, beta, importance_sampling_level,
+                                     max_completion_length, advantages, scale_rewards)  # fmt: skip
+        self.normalizer = self.settings.normalizer
+        self.needs_reference = beta > 0
+
+    def parts(self, lm, batch):
+        """The loss parts of a group batch and the completions' advantages."""
+        policy = completion_logps(lm.loss_outputs(batch), batch)
+        device = policy.logps.device
+        if ADVANTAGES in batch:
+            advantages = batch[ADVANTAGES].to(device)
+        else:
+            advantages = group_advantages(batch[REWARDS].to(device), batch[GROUPS].to(device), self.settings)
+        behaviour = batch[BEHAVIOUR_LOGPS].to(device) if BEHAVIOUR_LOGPS in batch else None
+        reference = self.reference_logps(lm, batch) if self.needs_reference else None
+        return grpo_loss(policy, advantages, self.settings, behaviour, reference), advantages
+
+    @staticmethod
+    def reference_logps(lm, batch) -> torch.Tensor:
+        """The reference's log-probs of every completion token: the frozen copy's, or the model's, adapter off."""
+        with torch.no_grad():
+            if lm.frozen_copies:
+                impl = "liger" if lm.hparams.loss_impl == "liger" else "chunked"
+                outputs = head_inputs(lm.frozen_copies[0], batch, lm.hparams.loss_chunk_size, impl)
+                return completion_logps(outputs, batch).logps
+            with lm.model.disable_adapter():
+                return completion_logps(lm.loss_outputs(batch), batch).logps
+
+    def loss(self, lm, batch):
+        parts, advantages = self.parts(lm, batch)
+        metrics = dict(parts.metrics)
+        completions = parts.metrics["completion_length"][1]
+        if REWARDS in batch:
+            metrics["reward"] = (batch[REWARDS].to(completions.device).double().sum(), completions)
+        metrics["advantage"] = (advantages.detach().double().sum(), completions)
+        loss = parts.loss_sum
+        return LossParts(loss, parts.units, loss.detach(), parts.units.detach()), metrics
+
+    def evaluate(self, lm, batch, stage):
+        parts, _ = self.parts(lm, batch)
+        return parts.loss_sum, parts.units, parts.units.new_zeros(())
+
+
+NAMED = ("sft", "dpo", "ipo", "simpo", "orpo")
+
+
+def make_objective(objective: str | Objective, hparams: Mapping[str, Any]) -> Objective:
+    """The objective of a `PackedCausalLM`: an `Objective` as given, or a named one built from the model's
+    settings (`loss_normalization` for sft; `beta`, `simpo_gamma_beta_ratio` for the preference objectives); its
+    reference setting checked."""
+    if isinstance(objective, Objective):
+        built = objective
+    elif objective == "sft":
+        built = SFT(hparams["loss_normalization"])
+    elif objective in NAMED:
+        settings = preference_settings(objective, hparams["beta"], hparams["simpo_gamma_beta_ratio"])
+        built = Preference(settings)
+    else:
+        fix = f"use one of {', '.join(NAMED)} or an Objective's class_path (lit_packing.models.GRPO)"
+        raise ConfigError("objective", f"{objective!r} is not an objective", fix)
+    if hparams["reference"] not in REFERENCES:
+        raise ConfigError("reference", f"{hparams['reference']!r} is not a reference", f"use {', '.join(REFERENCES)}")
+    built.check(hparams["reference"], hparams["lora"])
+    return built

@@ -1,0 +1,275 @@
+"""GRPO and its relatives on packed rollout groups (`grpo.py`, `GroupCollator`): for every loss type, the packed
+loss and gradients equal TRL's `GRPOTrainer` on the same rollouts (fp64, a step that is one micro-batch), each
+prompt run once or not; and the step's loss and gradients do not depend on how its groups are split.
+
+Tolerances: fp64 rounding (1e-10) for every loss and log-prob, and for gradients of rows that run each prompt per
+completion (TRL's layout). Where a prompt runs once, its positions' gradients are summed over the group's
+completions before transformers' RMSNorm, which computes in fp32 whatever the model's dtype, rounds them (once,
+instead of once per completion): those gradients agree to fp32 rounding, 1e-6 of each tensor's largest element."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_packing.batch import BEHAVIOUR_LOGPS, STEP, attach_step, model_inputs
+from lit_packing.data.groups import GroupCollator
+from lit_packing.errors import ConfigError, DataError
+from lit_packing.models.grpo import LOSS_TYPES, GRPOSettings, completion_logps, group_advantages, grpo_loss
+from lit_packing.models.head import head_inputs
+from lit_packing.models.pack import HOST_BACKENDS
+from tests.helpers import TINY_LLAMA, packed_model, tiny_model
+
+CONFIG = dict(TINY_LLAMA, vocab_size=512)
+# Prompt lengths and each group's completion lengths (G = 3, 2, 4, 3): completions from 1 token to 9.
+SHAPES = [(5, [4, 1, 6]), (3, [2, 9]), (7, [3, 3, 1, 5]), (4, [8, 2, 2])]
+# For TRL's padded layout, prompts of one length: TRL left-pads prompts and passes no position_ids, so a shorter
+# prompt's tokens sit at later positions there, and transformers computes RoPE's angles in fp32 (a shift moves the
+# logits by ~1e-8): equal lengths keep every position the same and the comparison at fp64 rounding. Shared prompts
+# of different lengths are checked against each completion run alone below.
+ORACLE_SHAPES = [(5, [4, 1, 6]), (5, [2, 9]), (5, [3, 3, 1, 5]), (5, [8, 2, 2])]
+MAX_COMPLETION = 9
+
+
+def make_groups(shapes=SHAPES, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    groups = []
+    for prompt, sizes in shapes:
+        ids = torch.randint(3, CONFIG["vocab_size"], (prompt + sum(sizes),), generator=gen).tolist()
+        rewards = torch.randint(0, 3, (len(sizes),), generator=gen).double().tolist()
+        groups.append({"input_ids": ids, "completion_tokens": sizes, "rewards": rewards})
+    return groups
+
+
+def settings_for(loss_type, level="token", beta=0.0):
+    return GRPOSettings(loss_type, epsilon=0.2, epsilon_high=1.1 if loss_type == "cispo" else 0.28, beta=beta,
+                        importance_sampling_level=level, max_completion_length=MAX_COMPLETION)  # fmt: skip
+
+
+def logps_of(model, batch, head=True):
+    outputs = head_inputs(model, batch, chunk_size=7) if head else model(**model_inputs(batch), use_cache=False).logits
+    return completion_logps(outputs, batch)
+
+
+def with_behaviour(model, groups, seed=1):
+    """Each group's behaviour log-probs: the model's own, moved by up to +-0.5 per token and +-1 per completion
+    (token ratios from 0.2 to 4.5; a completion's mean log-ratio, GSPO's, beyond both clips)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        own = logps_of(model, GroupCollator()(groups))
+    shift = (torch.rand(own.completions, generator=gen, dtype=own.logps.dtype) - 0.5) * 2
+    noisy = (
+        own.logps + (torch.rand(own.logps.shape, generator=gen, dtype=own.logps.dtype) - 0.5) + shift[own.completion]
+    )
+    out, start = [], 0
+    for group in groups:
+        n = sum(group["completion_tokens"])
+        out.append({**group, BEHAVIOUR_LOGPS: noisy[start : start + n].tolist()})
+        start += n
+    return out
+
+
+def assert_grads_close(got, expected, shared, what=""):
+    assert got.keys() == expected.keys()
+    for name, g in expected.items():
+        scale = float(g.abs().max()) if shared else 0.0
+        torch.testing.assert_close(got[name], g, rtol=1e-6 if shared else 1e-8, atol=1e-6 * scale + 1e-13,
+                                   msg=f"{what} {name}")  # fmt: skip
+
+
+def step_loss(model, groups, settings, splits, share=True, reference=None):
+    """The optimizer step's loss over `splits` micro-batches (groups in order), its gradients, as the module runs
+    it: each micro-batch's sum divided by the step's total (`attach_step`, as the plan gives it)."""
+    bounds = torch.linspace(0, len(groups), splits + 1).round().long().tolist()
+    batches = attach_step([GroupCollator(share_prompt=share)(groups[a:b]) for a, b in zip(bounds, bounds[1:])])
+    model.zero_grad()
+    total = 0.0
+    for batch in batches:
+        policy = logps_of(model, batch)
+        advantages = group_advantages(batch["rewards"], batch["groups"], settings)
+        behaviour = batch.get(BEHAVIOUR_LOGPS)
+        ref = None if reference is None else logps_of(reference, batch).logps.detach()
+        parts = grpo_loss(policy, advantages, settings, behaviour, ref)
+        loss = parts.loss_sum / batch[STEP][settings.normalizer]
+        loss.backward()
+        total += float(loss)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return total, grads
+
+
+def padded_rollouts(groups, settings):
+    """TRL's layout of the same rollouts: a row per completion, its prompt left-padded, the completion right-padded;
+    advantages from the rewards (as TRL computes them: tested apart), behaviour log-probs in the same layout."""
+    prompts, completions, old = [], [], []
+    batch = GroupCollator()(groups)
+    advantages = group_advantages(batch["rewards"], batch["groups"], settings)
+    for group in groups:
+        sizes, ids = group["completion_tokens"], group["input_ids"]
+        prompt = len(ids) - sum(sizes)
+        start, logps = prompt, group.get(BEHAVIOUR_LOGPS)
+        taken = 0
+        for size in sizes:
+            prompts.append(ids[:prompt])
+            completions.append(ids[start : start + size])
+            if logps is not None:
+                old.append(logps[taken : taken + size])
+            start, taken = start + size, taken + size
+    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
+    left = lambda rows, w: torch.tensor([[0] * (w - len(r)) + r for r in rows])  # noqa: E731
+    right = lambda rows, w, pad=0: torch.tensor(
+        [r + [pad] * (w - len(r)) for r in rows],
+        dtype=torch.tensor(pad).dtype if isinstance(pad, int) else torch.float64,
+    )  # noqa: E731
+    mask = lambda rows, w, side: torch.tensor(  # noqa: E731
+        [([0] * (w - len(r)) + [1] * len(r)) if side == "left" else [1] * len(r) + [0] * (w - len(r)) for r in rows]
+    )
+    out = {
+        "prompt_ids": left(prompts, width_p), "prompt_mask": mask(prompts, width_p, "left"),
+        "completion_ids": right(completions, width_c), "completion_mask": mask(completions, width_c, "right"),
+        "advantages": advantages,
+    }  # fmt: skip
+    if old:
+        out["old_per_token_logps"] = right(old, width_c, 0.0)
+    return out
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["prompt_once", "unshared"])
+@pytest.mark.parametrize("beta", [0.0, 0.04], ids=["no_kl", "kl"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_the_packed_loss_and_gradients_equal_trls(loss_type, level, beta, share):
+    """fp64, off-policy (behaviour log-probs from the data, so ratios clip): TRL's loss and every gradient, and its
+    logged clip fractions, entropy and KL."""
+    from tests.helpers.trl_grpo import trl_grpo_loss_and_metrics
+
+    policy = packed_model(CONFIG, seed=0).double()
+    reference = packed_model(CONFIG, seed=1).double().eval() if beta else None
+    trl_model = tiny_model(CONFIG, seed=0).double()
+    settings = settings_for(loss_type, level, beta)
+    groups = with_behaviour(policy, make_groups(ORACLE_SHAPES))
+    ours, grads = step_loss(policy, groups, settings, splits=1, share=share, reference=reference)
+    batch = GroupCollator(share_prompt=share)(groups)
+    policy.zero_grad()
+    parts = grpo_loss(logps_of(policy, batch), group_advantages(batch["rewards"], batch["groups"], settings),
+                      settings, batch[BEHAVIOUR_LOGPS],
+                      logps_of(reference, batch).logps if beta else None)  # fmt: skip
+    padded = padded_rollouts(groups, settings)
+    ref = None
+    if beta:
+        with torch.no_grad():
+            ref_batch = GroupCollator(share_prompt=False)(groups)
+            flat = logps_of(reference, ref_batch).logps
+        ref = _as_padded(flat, groups, padded["completion_ids"].shape[1])
+    trl_loss, trl_metrics = trl_grpo_loss_and_metrics(
+        trl_model, **padded, loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=settings.epsilon_high,
+        importance_sampling_level=level, ref_per_token_logps=ref, max_completion_length=MAX_COMPLETION,
+        full_precision_logps=True,
+    )  # fmt: skip
+    trl_loss.backward()
+    trl_grads = {n: p.grad for n, p in trl_model.named_parameters() if p.grad is not None}
+    assert ours == pytest.approx(float(trl_loss), rel=1e-10, abs=1e-13)
+    assert_grads_close(grads, trl_grads, share)
+    for name, (total, count) in parts.metrics.items():
+        if name in trl_metrics:
+            assert float(total / count) == pytest.approx(trl_metrics[name], rel=1e-6, abs=1e-9), name
+    logged = {"entropy", "clip_ratio/region_mean" if loss_type != "cispo" else "cispo_clip_ratio"}
+    assert logged <= parts.metrics.keys() & trl_metrics.keys()
+    assert ("kl" in parts.metrics) == bool(beta)
+    if loss_type != "cispo":
+        assert 0 < trl_metrics["clip_ratio/region_mean"] < 1  # the behaviour log-probs make the clip matter
+
+
+def _as_padded(flat, groups, width):
+    rows, start = [], 0
+    for group in groups:
+        for size in group["completion_tokens"]:
+            rows.append(flat[start : start + size].tolist() + [0.0] * (width - size))
+            start += size
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_the_steps_loss_and_gradients_do_not_depend_on_its_split_or_sharing(loss_type):
+    """1 x 4 = 2 x 2 = 4 x 1 micro-batches, each prompt once or not: one loss, one gradient (fp64)."""
+    model = packed_model(CONFIG, seed=0).double()
+    groups = with_behaviour(model, make_groups())
+    settings = settings_for(loss_type, "token", 0.0)
+    runs = {(splits, share): step_loss(model, groups, settings, splits, share) for splits in (1, 2, 4)
+            for share in (True, False)}  # fmt: skip
+    loss, grads = runs[(1, False)]
+    for (splits, share), (other, other_grads) in runs.items():
+        assert other == pytest.approx(loss, rel=1e-10), (splits, share)
+        assert_grads_close(other_grads, grads, share, f"{splits} micro-batches, shared={share}")
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_a_shared_prompt_gives_each_completion_alone(backend):
+    """Each completion's token log-probs in a shared row equal the completion run alone after its prompt (a (1, L)
+    batch, no packing), from the chunked head and from logits."""
+    model = packed_model(CONFIG, backend, seed=0).double().eval()
+    groups = make_groups()
+    with torch.no_grad():
+        shared = [logps_of(model, GroupCollator()(groups), head).logps for head in (True, False)]
+        alone = []
+        for group in groups:
+            ids, sizes = group["input_ids"], group["completion_tokens"]
+            prompt, start = len(ids) - sum(sizes), len(ids) - sum(sizes)
+            for size in sizes:
+                row = torch.tensor([ids[:prompt] + ids[start : start + size]])
+                logits = model(input_ids=row, use_cache=False).logits[0, prompt - 1 : -1].log_softmax(-1)
+                alone.append(logits.gather(-1, row[0, prompt:, None]).squeeze(-1))
+                start += size
+    for got in shared:
+        torch.testing.assert_close(got, torch.cat(alone), rtol=1e-10, atol=1e-10)
+
+
+def test_advantages_as_trl_computes_them_and_leave_one_out():
+    rewards = torch.tensor([1.0, 0.0, 2.0, 5.0, 5.0, 0.0, 1.0, 3.0, 2.0], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    sizes = [3, 2, 4]
+    by_group = rewards.split(sizes)
+    expected = torch.cat([(r - r.mean()) / (r.std() + 1e-4) for r in by_group])  # TRL: scale_rewards=group
+    torch.testing.assert_close(group_advantages(rewards, groups, GRPOSettings()), expected)
+    unscaled = torch.cat([r - r.mean() for r in by_group])
+    torch.testing.assert_close(group_advantages(rewards, groups, GRPOSettings(scale_rewards="none")), unscaled)
+    loo = torch.cat([r - (r.sum() - r) / (len(r) - 1) for r in by_group])
+    got = group_advantages(rewards, groups, GRPOSettings(advantages="rloo", scale_rewards="none"))
+    torch.testing.assert_close(got, loo)
+    assert got[3:5].abs().sum() == 0  # equal rewards: no advantage, no division by a zero std
+
+
+def test_on_policy_ratios_are_one_and_nothing_clips():
+    model = packed_model(CONFIG, seed=0).double()
+    batch = GroupCollator()(make_groups())
+    settings = settings_for("dapo")
+    parts = grpo_loss(logps_of(model, batch), group_advantages(batch["rewards"], batch["groups"], settings), settings)
+    assert float(parts.metrics["clip_ratio/region_mean"][0]) == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"loss_type": "cispo"}, "epsilon_high: cispo caps its ratio"),
+        ({"loss_type": "dr_grpo"}, "max_completion_length: dr_grpo divides by G x the generation limit"),
+        ({"loss_type": "ppo"}, "loss_type: 'ppo' is not a choice"),
+        ({"beta": -1.0}, "beta: must be >= 0"),
+    ],
+)
+def test_bad_settings_are_refused_in_one_line(kwargs, message):
+    with pytest.raises(ConfigError) as raised:
+        GRPOSettings(**kwargs)
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("group", "message"),
+    [
+        ({"input_ids": [5, 6, 7], "completion_tokens": [], "rewards": []}, "no rollout group"),
+        ({"input_ids": [5, 6, 7], "completion_tokens": [3], "rewards": [1.0]}, "no rollout group"),
+        ({"input_ids": [5, 6, 7], "completion_tokens": [1, 1], "rewards": [1.0]}, "2 completions has 1 rewards"),
+        ({"input_ids": [5, 6, 7], "completion_tokens": [2], "rewards": [1.0], BEHAVIOUR_LOGPS: [0.0]}, "1 behav"),
+    ],
+)
+def test_bad_groups_are_refused(group, message):
+    with pytest.raises(DataError, match=message):
+        GroupCollator()([group])
