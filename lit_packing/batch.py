@@ -175,6 +175,20 @@ def step_totals(label_tokens: Sequence[int]) -> dict[str, int]:
     return {"label_tokens": int(counts.sum()), "sequences": int((counts > 0).sum())}
 
 
+def continuation_prompts(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """With shared prompts (`PROMPTS` in the batch): each continuation's segment (a pair's two sides, a group's
+    completions) and its prompt's segment, two (C,) int64 tensors.
+
+    >>> batch = {PROMPTS: torch.tensor([0, 3]), PAIRS: torch.tensor([[1, 2], [4, 5]])}
+    >>> [t.tolist() for t in continuation_prompts(batch)]
+    [[1, 2, 4, 5], [0, 0, 3, 3]]
+    """
+    prompts = batch[PROMPTS]
+    if PAIRS in batch:
+        return batch[PAIRS].reshape(-1), prompts.repeat_interleave(2)
+    return batch[COMPLETIONS], prompts[batch[GROUPS]]
+
+
 def model_inputs(batch: dict[str, Any], device: torch.device | str | None = None) -> dict[str, Any]:
     """The keyword arguments a transformers model takes from a batch (`MODEL_KEYS`), tensors moved to `device`:
     `model(**model_inputs(batch, "cuda"), use_cache=False)`."""

@@ -39,6 +39,7 @@ import torch
 from lit_packing.batch import (
     ATTENTION_MASK,
     CHOSEN_TOKENS,
+    COMPLETION_TOKENS,
     COUNTS,
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
@@ -238,7 +239,14 @@ class PackedCollator:
 
 
 def _refuse_pairs(examples: list[dict[str, Any]], collator: str) -> None:
-    """Preference pairs given to a collator of single examples would train chosen and rejected as one sequence."""
+    """Preference pairs (or rollout groups) given to a collator of single examples would train each as one
+    sequence."""
+    if examples and examples[0].get(COMPLETION_TOKENS):
+        raise DataError(
+            f"{collator} got rollout groups (prompt, completions, rewards): it would train each group as one sequence; "
+            "set data.collator=lit_packing.data.GroupCollator and model.objective=lit_packing.models.GRPO: "
+            "configs/grpo.yaml"
+        )
     if examples and examples[0].get(CHOSEN_TOKENS):  # a tokenized table's other rows say 0
         raise DataError(
             f"{collator} got preference pairs (prompt, chosen, rejected): it would train each pair as one sequence; "

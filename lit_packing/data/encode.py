@@ -17,8 +17,28 @@ import numpy as np
 import xxhash
 from datasets import Features, List, Value
 
-from lit_packing.batch import CHOSEN_TOKENS, IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, TRUNCATED_TOKENS
-from lit_packing.data.shapes import CHAT, LINE, PREFERENCE, PROBLEM, PROMPT_COMPLETION, as_messages, example_problem
+from lit_packing.batch import (
+    ADVANTAGES,
+    BEHAVIOUR_LOGPS,
+    CHOSEN_TOKENS,
+    COMPLETION_TOKENS,
+    IGNORE_INDEX,
+    INDEX,
+    INPUT_IDS,
+    LABELS,
+    REWARDS,
+    TRUNCATED_TOKENS,
+)
+from lit_packing.data.shapes import (
+    CHAT,
+    GROUP,
+    LINE,
+    PREFERENCE,
+    PROBLEM,
+    PROMPT_COMPLETION,
+    as_messages,
+    example_problem,
+)
 from lit_packing.errors import ConfigError
 
 # Columns of the tokenized table besides the keys an example carries into a batch (`lit_packing.batch`: input_ids,
@@ -29,7 +49,13 @@ TOKEN_HASH = "token_hash"  # 64-bit XXH3 of the token ids: equal for duplicate e
 LABEL_TOKENS = "label_tokens"  # trained tokens of the example (labels != -100, its first label masked)
 DROPPED = "dropped"  # "", "bad", "overlong" or "no_labels"
 # A preference pair is one row: its chosen sequence's `chosen_tokens` tokens, then its rejected one's (0: not a pair).
-OUTPUT_COLUMNS = [INPUT_IDS, LABELS, LENGTH, TRUNCATED_TOKENS, INDEX, LABEL_TOKENS, ROW, TOKEN_HASH, CHOSEN_TOKENS]
+# A rollout group is one row: its prompt's tokens once, then each completion's (`completion_tokens` of them), with a
+# reward (or advantage) per completion and, when the data has them, the behaviour log-probs of every completion token
+# (empty lists in every other row).
+GROUP_OUTPUTS = [COMPLETION_TOKENS, REWARDS, ADVANTAGES, BEHAVIOUR_LOGPS]
+OUTPUT_COLUMNS = [INPUT_IDS, LABELS, LENGTH, TRUNCATED_TOKENS, INDEX, LABEL_TOKENS, ROW, TOKEN_HASH, CHOSEN_TOKENS,
+                  *GROUP_OUTPUTS]  # fmt: skip
+NO_GROUP = {COMPLETION_TOKENS: [], REWARDS: [], ADVANTAGES: [], BEHAVIOUR_LOGPS: []}
 
 FEATURES = Features(
     {
@@ -42,6 +68,10 @@ FEATURES = Features(
         TOKEN_HASH: Value("int64"),
         LABEL_TOKENS: Value("int32"),
         CHOSEN_TOKENS: Value("int32"),
+        COMPLETION_TOKENS: List(Value("int32")),
+        REWARDS: List(Value("float64")),
+        ADVANTAGES: List(Value("float64")),
+        BEHAVIOUR_LOGPS: List(Value("float64")),
         DROPPED: Value("string"),
         PROBLEM: Value("string"),
     }
@@ -89,7 +119,7 @@ class Encoder:
         special = set(tokenizer.all_special_ids)
         special |= {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
         self.special_ids = np.array(sorted(special), dtype=np.int64)
-        if shape not in (CHAT, PREFERENCE) and self.eos is None:
+        if shape not in (CHAT, PREFERENCE, GROUP) and self.eos is None:
             raise ConfigError(
                 "data.tokenizer",
                 f"{tokenizer.name_or_path!r} has no eos_token to end {shape} examples with",
@@ -122,6 +152,33 @@ class Encoder:
             )
             splits.append(len(chosen_ids[k]))
         return ids, labels, splits
+
+    def groups(self, batch: dict[str, list], indices: list[int]) -> tuple[list, list, list[list[int]]]:
+        """Rollout groups: each as its prompt's ids (rendered once, with the generation prompt) then its completions'
+        (token ids as given, or a text as the assistant turn the chat template renders after the prompt, up to and
+        including its end-of-turn token), labels on the completions, and each completion's token count."""
+        ids, labels, sizes = [], [], []
+        given = batch.get("completion_ids") or [[] for _ in indices]
+        for k, index in enumerate(indices):
+            messages = as_messages(batch["prompt"][k], "user")
+            prompt = self._encode([self._render(messages, add_generation_prompt=True)])[INPUT_IDS][0]
+            completions = [c if isinstance(c, list) and c else None for c in batch["completions"][k]]
+            completions = [g if g else c for c, g in zip(completions, list(given[k]) + [None] * len(completions))]
+            texts = [i for i, c in enumerate(batch["completions"][k]) if completions[i] is None]
+            conversations = [messages + [{"role": "assistant", "content": batch["completions"][k][i]}] for i in texts]
+            encoded = self._chats_completion(conversations, [index] * len(texts)) if texts else ([], [])
+            for i, x, y in zip(texts, *encoded):
+                if list(x[: len(prompt)]) != list(prompt):
+                    raise ConfigError("data.tokenizer", f"example {index}: the chat template renders the prompt "
+                                      "differently once a completion follows, so completions cannot follow it once",
+                                      "give completions as token ids, or use a prefix-consistent template")  # fmt: skip
+                last = max((j for j, label in enumerate(y) if label != IGNORE_INDEX), default=len(prompt) - 1)
+                completions[i] = list(x[len(prompt) : last + 1])
+            row = list(prompt) + [t for c in completions for t in c]
+            ids.append(row)
+            labels.append([IGNORE_INDEX] * len(prompt) + row[len(prompt) :])
+            sizes.append([len(c) for c in completions])
+        return ids, labels, sizes
 
     def _chats_completion(self, conversations: list[list[dict]], indices: list[int]) -> tuple[list, list]:
         """`_chats` with assistant turns trained (what a pair's completion is), whatever `train_on` says."""
@@ -235,6 +292,29 @@ def _fit_pair(ids: list[int], labels: list[int], split: int, max_length: int, ov
     return {**row, INPUT_IDS: ids, LABELS: labels, LABEL_TOKENS: chosen + rejected, CHOSEN_TOKENS: split}
 
 
+def _fit_group(example: dict, ids: list, labels: list, sizes: list[int], max_length: int) -> dict[str, Any]:
+    """A group is one atom: longer than `max_length` it is dropped (or refused), never cut; an empty completion or
+    behaviour log-probs of another length than their completion's tokens make it a bad row."""
+    n = len(ids)
+    row = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, DROPPED: "", PROBLEM: "", INPUT_IDS: [], LABELS: [], LENGTH: n,
+           CHOSEN_TOKENS: 0, **NO_GROUP}  # fmt: skip
+    if n > max_length:
+        return {**row, DROPPED: "overlong", PROBLEM: f"{n:,} tokens (the prompt once and every completion)"}
+    empty = [i for i, size in enumerate(sizes) if not size]
+    if empty:
+        return {**row, DROPPED: "bad", PROBLEM: f"completions[{empty[0]}] has no token after the prompt"}
+    logps = example.get("behaviour_logps") or []
+    for i, (values, size) in enumerate(zip(logps, sizes)):
+        if len(values) != size:
+            problem = f"behaviour_logps[{i}] has {len(values)} values for its completion's {size} tokens"
+            return {**row, DROPPED: "bad", PROBLEM: problem}
+    return {
+        **row, INPUT_IDS: ids, LABELS: labels, LABEL_TOKENS: sum(sizes), COMPLETION_TOKENS: sizes,
+        REWARDS: list(example.get("rewards") or []), ADVANTAGES: list(example.get("advantages") or []),
+        BEHAVIOUR_LOGPS: [float(x) for values in logps for x in values],
+    }  # fmt: skip
+
+
 def token_hash(ids: list[int]) -> int:
     """A signed 64-bit XXH3 of token ids (the `token_hash` column): equal ids, equal hash."""
     digest = xxhash.xxh3_64_intdigest(np.asarray(ids, dtype=np.int32).tobytes())
@@ -256,12 +336,17 @@ def tokenize_batch(
     kept = {name: [batch[name][k] for k in good] for name in batch}
     if encoder.shape == PREFERENCE:
         ids, labels, splits = encoder.pairs(kept, [indices[k] for k in good]) if good else ([], [], [])
-        fits = (_fit_pair(x, y, k, max_length, overlong) for x, y, k in zip(ids, labels, splits))
+        fits = ({**_fit_pair(x, y, k, max_length, overlong), **NO_GROUP} for x, y, k in zip(ids, labels, splits))
+    elif encoder.shape == GROUP:
+        ids, labels, sizes = encoder.groups(kept, [indices[k] for k in good]) if good else ([], [], [])
+        fits = (_fit_group(examples[k], x, y, n, max_length) for k, x, y, n in zip(good, ids, labels, sizes))
     else:
         ids, labels = encoder(kept, [indices[k] for k in good]) if good else ([], [])
-        fits = ({**_fit(list(x), list(y), max_length, overlong), CHOSEN_TOKENS: 0} for x, y in zip(ids, labels))
+        fits = ({**_fit(list(x), list(y), max_length, overlong), CHOSEN_TOKENS: 0, **NO_GROUP}
+                for x, y in zip(ids, labels))  # fmt: skip
     fitted = dict(zip(good, fits))
-    bad = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, DROPPED: "bad", INPUT_IDS: [], LABELS: [], LENGTH: 0, CHOSEN_TOKENS: 0}
+    bad = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, DROPPED: "bad", INPUT_IDS: [], LABELS: [], LENGTH: 0, CHOSEN_TOKENS: 0,
+           **NO_GROUP}  # fmt: skip
     out = []
     for k, index in enumerate(indices):
         row = fitted.get(k) or {**bad, PROBLEM: problems[k]}

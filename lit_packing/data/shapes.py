@@ -5,6 +5,8 @@
 Shapes (columns), detected by `example_shape`:
 
     preference         prompt, chosen, rejected: each a str or a list of messages (TRL's preference layout)
+    group              prompt (str or messages), completions: [str or token ids, ...], rewards: [float, ...] (or
+                       advantages), optional behaviour_logps: [[float per completion token], ...] (rollout groups)
     chat               messages: [{"role": "system" | "user" | "assistant", "content": str}, ...]
     prompt_completion  prompt: str, completion: str
     text               text: str
@@ -17,6 +19,7 @@ tokenizes a row with a problem.
 from __future__ import annotations
 
 import json
+import math
 import re
 
 from datasets import List, Value
@@ -27,13 +30,18 @@ CHAT = "chat"
 PROMPT_COMPLETION = "prompt_completion"
 TEXT = "text"
 PREFERENCE = "preference"
+GROUP = "group"
 SHAPE_COLUMNS = {
     PREFERENCE: ("prompt", "chosen", "rejected"),
+    GROUP: ("prompt", "completions"),
     CHAT: ("messages",),
     PROMPT_COMPLETION: ("prompt", "completion"),
     TEXT: ("text",),
 }
 ROLES = ("system", "user", "assistant")
+# A rollout group's columns besides its shape's: a score per completion (one of the first two) and the sampler's
+# log-probs of each completion's tokens.
+GROUP_COLUMNS = ("rewards", "advantages", "behaviour_logps")
 # Optional columns a source may add: the row as the user counts it (a file's line number), and why a row it could
 # not read is bad (empty for good rows). `tokenize_dataset` reads both.
 LINE = "_line"
@@ -44,7 +52,8 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # C0 controls and DE
 
 
 def example_shape(column_names: list[str], knob: str = "data.source") -> str:
-    """Which shape a dataset's columns hold: `preference`, `chat`, `prompt_completion` or `text` (in that order).
+    """Which shape a dataset's columns hold: `preference`, `group`, `chat`, `prompt_completion` or `text` (in that
+    order).
 
     Raises:
         DataError: naming the columns found and the `knob` that maps them (e.g. `data.source.init_args.field_map`).
@@ -54,7 +63,8 @@ def example_shape(column_names: list[str], knob: str = "data.source") -> str:
             return shape
     raise DataError(
         f"no known example shape in columns {sorted(column_names)}: need `messages` (chat), `prompt` + `completion`, "
-        f"`text`, or `prompt` + `chosen` + `rejected` (preference pairs); rename yours with {knob}, e.g. field_map: "
+        f"`text`, `prompt` + `chosen` + `rejected` (preference pairs) or `prompt` + `completions` (rollout groups); "
+        f"rename yours with {knob}, e.g. field_map: "
         f"{{question: prompt, answer: completion}}"
     )
 
@@ -67,6 +77,8 @@ def example_problem(shape: str, example: dict) -> str:
     """
     if shape == PREFERENCE:
         return _pair_problem(example)
+    if shape == GROUP:
+        return _group_problem(example)
     if shape == CHAT:
         return _chat_problem(example.get("messages"))
     if shape == PROMPT_COMPLETION:
@@ -134,6 +146,62 @@ def _pair_problem(example: dict) -> str:
             return problem
     if example.get("chosen") == example.get("rejected"):
         return "chosen and rejected are identical"
+    return ""
+
+
+def _prompt_problem(prompt: object) -> str:
+    if isinstance(prompt, str):
+        return _text_problem("prompt", prompt)
+    if isinstance(prompt, list) and prompt:
+        return _chat_problem([*prompt, {"role": "assistant", "content": "x"}])  # its turns
+    return f"prompt is {_kind(prompt)}, not a string or a list of messages"
+
+
+def _group_problem(example: dict) -> str:
+    """A rollout group's problem: no prompt, no completion, an empty completion, a score missing, not a number,
+    NaN or infinite, or as many scores (or behaviour log-prob lists) as there are completions."""
+    problem = _prompt_problem(example.get("prompt"))
+    completions = example.get("completions")
+    if problem:
+        return problem
+    if not isinstance(completions, list) or not completions:
+        return f"completions is {_kind(completions)}, not a list of completions"
+    given = example.get("completion_ids") or []  # a read JSON file holds token ids apart, "" in `completions`
+    for i, completion in enumerate(completions):
+        completion = given[i] if i < len(given) and given[i] else completion
+        if isinstance(completion, str):
+            problem = _text_problem(f"completions[{i}]", completion)
+        elif not isinstance(completion, list) or not completion:
+            problem = f"completions[{i}] is {_kind(completion)}, not a string or a list of token ids"
+        elif not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in completion):
+            problem = f"completions[{i}] holds something that is no token id"
+        if problem:
+            return problem
+    scores = [name for name in ("rewards", "advantages") if example.get(name) not in (None, [])]
+    if not scores:
+        return "no rewards (or advantages): give one per completion"
+    for name in scores:
+        problem = _numbers_problem(name, example[name], len(completions))
+        if problem:
+            return problem
+    logps = example.get("behaviour_logps")
+    if logps not in (None, []):
+        if not isinstance(logps, list) or len(logps) != len(completions):
+            return f"behaviour_logps is {_kind(logps)}, not one list per completion ({len(completions)})"
+        for i, values in enumerate(logps):
+            problem = _numbers_problem(f"behaviour_logps[{i}]", values, None)
+            if problem:
+                return problem
+    return ""
+
+
+def _numbers_problem(name: str, values: object, expected: int | None) -> str:
+    if not isinstance(values, list) or (expected is not None and len(values) != expected):
+        return f"{name} is {_kind(values)}, not {expected} numbers (one per completion)" if expected else (
+            f"{name} is {_kind(values)}, not a list of numbers")  # fmt: skip
+    for k, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"{name}[{k}] is {_kind(value)}: give a finite number"
     return ""
 
 

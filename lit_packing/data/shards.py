@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 
 from lit_packing.data.shapes import (
     CHAT,
+    GROUP,
     LINE,
     PREFERENCE,
     PROBLEM,
@@ -185,7 +186,24 @@ def _normalized(shape: str, line: int, record: object, problem: str) -> dict:
     if shape == PREFERENCE:  # a side may be text or messages: held as messages (text as one turn)
         sides = (("prompt", "user"), ("chosen", "assistant"), ("rejected", "assistant"))
         return {**row, **{name: [] if problem else _turns(as_messages(record[name], role)) for name, role in sides}}
+    if shape == GROUP:
+        return {**row, **_group_row(record, problem)}
     return {**row, **{name: "" if problem else record[name] for name in SHAPE_COLUMNS[shape]}}
+
+
+def _group_row(record: dict, problem: str) -> dict:
+    """A rollout group as Arrow holds it: text completions in `completions` ("" where ids are given), token-id ones in
+    `completion_ids` ([] where text is), absent scores and log-probs as empty lists."""
+    if problem:
+        return {"prompt": [], "completions": [], "completion_ids": [], "rewards": [], "advantages": [],
+                "behaviour_logps": []}  # fmt: skip
+    completions = record["completions"]
+    return {
+        "prompt": _turns(as_messages(record["prompt"], "user")),
+        "completions": [c if isinstance(c, str) else "" for c in completions],
+        "completion_ids": [[] if isinstance(c, str) else c for c in completions],
+        **{name: record.get(name) or [] for name in ("rewards", "advantages", "behaviour_logps")},
+    }
 
 
 def _turns(messages: list[dict]) -> list[dict[str, str]]:

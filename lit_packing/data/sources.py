@@ -30,11 +30,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
-from datasets import Features, Value
+from datasets import Features, List, Value
 
 from lit_packing._compat import packaged_builders
 from lit_packing.assets import check_local_or_hub
-from lit_packing.data.shapes import CHAT, LINE, MESSAGES, PREFERENCE, PROBLEM, PROMPT_COMPLETION, TEXT, example_shape
+from lit_packing.data.shapes import (
+    CHAT,
+    GROUP,
+    LINE,
+    MESSAGES,
+    PREFERENCE,
+    PROBLEM,
+    PROMPT_COMPLETION,
+    TEXT,
+    example_shape,
+)
 from lit_packing.data.shards import (
     FILE_BUILDERS,
     DatasetShard,
@@ -132,6 +142,14 @@ _SHAPE_FEATURES = {
     PROMPT_COMPLETION: {"prompt": Value("string"), "completion": Value("string")},
     TEXT: {"text": Value("string")},
     PREFERENCE: {"prompt": MESSAGES, "chosen": MESSAGES, "rejected": MESSAGES},  # text sides as one turn each
+    GROUP: {
+        "prompt": MESSAGES,
+        "completions": List(Value("string")),
+        "completion_ids": List(List(Value("int64"))),
+        "rewards": List(Value("float64")),
+        "advantages": List(Value("float64")),
+        "behaviour_logps": List(List(Value("float64"))),
+    },  # fmt: skip
 }
 
 

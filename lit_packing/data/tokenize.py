@@ -36,11 +36,23 @@ import numpy as np
 import torch
 
 from lit_packing._compat import dataset_fingerprint
-from lit_packing.batch import CHOSEN_TOKENS, IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, TRUNCATED_TOKENS, Pack
+from lit_packing.batch import (
+    ADVANTAGES,
+    BEHAVIOUR_LOGPS,
+    CHOSEN_TOKENS,
+    COMPLETION_TOKENS,
+    IGNORE_INDEX,
+    INDEX,
+    INPUT_IDS,
+    LABELS,
+    TRUNCATED_TOKENS,
+    Pack,
+)
 from lit_packing.data.cache_check import checksum_path, remove_stale_tmp, verify_cache, write_record
 from lit_packing.data.encode import (
     DROPPED,
     FEATURES,
+    GROUP_OUTPUTS,
     LABEL_TOKENS,
     LENGTH,
     OUTPUT_COLUMNS,
@@ -50,14 +62,14 @@ from lit_packing.data.encode import (
     tokenize_batch,
 )
 from lit_packing.data.report import TokenizationReport, check_report, report_of
-from lit_packing.data.shapes import CHAT, PREFERENCE, example_shape
+from lit_packing.data.shapes import CHAT, GROUP, PREFERENCE, example_shape
 from lit_packing.errors import ConfigError, DataError
 from lit_packing.text import count
 
 log = logging.getLogger(__name__)
 
 # Bump when the tokens or labels this module or `encode` produces change: every cached tokenization is rebuilt.
-TOKENIZE_VERSION = "3"  # 3: the chosen_tokens column (preference pairs)
+TOKENIZE_VERSION = "4"  # 3: the chosen_tokens column (preference pairs); 4: rollout groups' columns
 
 Overlong = Literal["truncate", "drop", "error"]
 TrainOn = Literal["completion", "all"]
@@ -160,13 +172,15 @@ def tokenize_dataset(
     if not len(dataset):
         raise DataError("the source holds no examples: check data.source (its path, split and field_map)")
     shape = example_shape(dataset.column_names)
-    if shape == PREFERENCE and overlong == "truncate":
+    if shape in (PREFERENCE, GROUP) and overlong == "truncate":
+        what = "preference pairs in half (a pair" if shape == PREFERENCE else "rollout groups apart (a group"
+        items = "pairs" if shape == PREFERENCE else "groups"
         raise ConfigError(
             "data.overlong",
-            "truncate would cut preference pairs in half (a pair is trained whole or not at all)",
-            "set data.overlong=drop (pairs longer than data.max_length are left out and counted) or error",
+            f"truncate would cut {what} is trained whole or not at all)",
+            f"set data.overlong=drop ({items} longer than data.max_length are left out and counted) or error",
         )
-    template = chat_template(tokenizer) if shape in (CHAT, PREFERENCE) else ""
+    template = chat_template(tokenizer) if shape in (CHAT, PREFERENCE, GROUP) else ""
     if shape == CHAT and not tokenizer.chat_template:
         log.warning(
             "tokenizer %r has no chat template: chats are rendered with ChatML "
@@ -233,9 +247,12 @@ class TokenizedDataset(torch.utils.data.Dataset):
 
     def __init__(self, dataset: datasets.Dataset) -> None:
         columns = [INPUT_IDS, LABELS, TRUNCATED_TOKENS, INDEX]
-        # one shape a table: its first row says whether it holds pairs (one value read, not the column)
-        self.pairs = CHOSEN_TOKENS in dataset.column_names and len(dataset) > 0 and dataset[0][CHOSEN_TOKENS] > 0
-        self.dataset = dataset.with_format("arrow", columns=columns + [CHOSEN_TOKENS] * self.pairs)
+        # one shape a table: its first row says whether it holds pairs or groups (its values read, not the columns)
+        first = dataset[0] if len(dataset) else {}
+        self.pairs = bool(first.get(CHOSEN_TOKENS))
+        self.groups = bool(first.get(COMPLETION_TOKENS))
+        extra = [CHOSEN_TOKENS] * self.pairs + GROUP_OUTPUTS * self.groups
+        self.dataset = dataset.with_format("arrow", columns=columns + extra)
         self._lengths: np.ndarray | None = None
         self._label_tokens: np.ndarray | None = None
 
@@ -258,10 +275,12 @@ class TokenizedDataset(torch.utils.data.Dataset):
 
     def count_labels(self, keys: list) -> list[int]:
         """Trained tokens of each key as the collator will see it: a row's count, or a slice's (whose first label
-        the collator masks), read from the labels of the sliced rows only."""
+        the collator masks), read from the labels of the sliced rows only; a rollout group's, one per completion."""
         counts = []
         for key in keys:
-            if isinstance(key, tuple):
+            if self.groups and not isinstance(key, tuple):  # each completion: the step's sequences count them
+                counts.extend(self[key][COMPLETION_TOKENS])
+            elif isinstance(key, tuple):
                 labels = self[key][LABELS]
                 counts.append(int((labels[1:] != IGNORE_INDEX).sum()))
             else:
@@ -280,6 +299,12 @@ class TokenizedDataset(torch.utils.data.Dataset):
             item[TRUNCATED_TOKENS] = row.column(TRUNCATED_TOKENS)[0].as_py()
         if self.pairs and start == 0 and stop is None:  # a slice of a pair is no pair: the collator refuses it
             item[CHOSEN_TOKENS] = row.column(CHOSEN_TOKENS)[0].as_py()
+        if self.groups and start == 0 and stop is None:  # as for pairs: a slice of a group is no group
+            item.update({name: row.column(name)[0].as_py() for name in GROUP_OUTPUTS})
+            if not item[BEHAVIOUR_LOGPS]:
+                del item[BEHAVIOUR_LOGPS]
+            if not item[ADVANTAGES]:
+                del item[ADVANTAGES]
         return item
 
     def __getitems__(self, keys: list) -> list[dict[str, Any]]:

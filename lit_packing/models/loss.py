@@ -30,15 +30,13 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lit_packing.batch import (
-    COMPLETIONS,
     CU_SEQ_LENS_Q,
-    GROUPS,
     IGNORE_INDEX,
     LABELS,
-    PAIRS,
     PROMPTS,
     SEQ_IDX,
     STEP,
+    continuation_prompts,
     is_packed,
 )
 from lit_packing.errors import ConfigError, DataError, check_range
@@ -165,11 +163,7 @@ def label_sources(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]
     sources = torch.arange(-1, len(labels) - 1, device=labels.device)  # position 0 is never a label
     if PROMPTS in batch:
         cu = batch[CU_SEQ_LENS_Q].to(labels.device).long()
-        prompts = batch[PROMPTS].to(labels.device)
-        if PAIRS in batch:
-            continued, prompt_of = batch[PAIRS].to(labels.device).reshape(-1), prompts.repeat_interleave(2)
-        else:
-            continued, prompt_of = batch[COMPLETIONS].to(labels.device), prompts[batch[GROUPS].to(labels.device)]
+        continued, prompt_of = (t.to(labels.device) for t in continuation_prompts(batch))
         sources[cu[:-1][continued]] = cu[1:][prompt_of] - 1
     where = torch.nonzero(labels != IGNORE_INDEX).reshape(-1)
     return where, sources[where]

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lit_packing.batch import ADVANTAGES, BEHAVIOUR_LOGPS, GROUPS, LABELS, REWARDS
+from lit_packing.batch import ADVANTAGES, BEHAVIOUR_LOGPS, COMPLETIONS, GROUPS, LABELS, PAIRS, REWARDS
 from lit_packing.errors import ConfigError
 from lit_packing.models.grpo import GRPOSettings, completion_logps, group_advantages, grpo_loss
 from lit_packing.models.head import head_inputs
@@ -75,6 +75,30 @@ class Objective:
         raise NotImplementedError
 
 
+# What each objective trains, by the batch key its collator writes, and the settings that give it.
+_BATCHES = {
+    PAIRS: ("preference pairs", "data.collator=lit_packing.data.PairCollator and model.objective=dpo "
+            "(configs/dpo.yaml)"),
+    COMPLETIONS: ("rollout groups", "data.collator=lit_packing.data.GroupCollator and model.objective="
+                  "lit_packing.models.GRPO (configs/grpo.yaml)"),
+}  # fmt: skip
+
+
+def check_batch(objective: Objective, batch: Mapping[str, Any], trains: str | None) -> None:
+    """Refuse, in one line, a batch of another kind than the objective trains (`trains`: the key its collator
+    writes, None for single sequences): a pair or group read as sequences would train the wrong tokens."""
+    found = next((key for key in _BATCHES if key in batch), None)
+    if found == trains:
+        return
+    name = type(objective).__name__
+    if trains is None:
+        what, fix = _BATCHES[found]
+        raise ConfigError("model.objective", f"{name} got a batch of {what}", f"set {fix}")
+    what, fix = _BATCHES[trains]
+    got = _BATCHES[found][0] if found else "single sequences"
+    raise ConfigError("data.collator", f"{name} trains {what}, the batch holds {got}", f"set {fix}")
+
+
 class SFT(Objective):
     """Next-token cross-entropy on the label tokens, one mean over the step's tokens (`token`) or over its
     examples of each example's token mean (`sequence`, LongAlign)."""
@@ -84,9 +108,11 @@ class SFT(Objective):
         self.normalizer = "label_tokens" if normalization == "token" else "sequences"
 
     def loss(self, lm, batch):
+        check_batch(self, batch, None)
         return causal_lm_loss(lm.loss_outputs(batch), batch, self.normalization), {}
 
     def evaluate(self, lm, batch, stage):
+        check_batch(self, batch, None)
         return eval_sums(lm.loss_outputs(batch), batch[LABELS])
 
 
@@ -105,6 +131,7 @@ class Preference(Objective):
         """The policy's log-probs of the batch's pairs against the reference's (`reference.reference_logps`)."""
         from lit_packing.models.reference import reference_logps
 
+        check_batch(self, batch, PAIRS)
         policy = pair_logps(lm.loss_outputs(batch), batch)
         return preference_loss(policy, reference_logps(lm, batch, stage, policy), self.settings)
 
@@ -158,6 +185,7 @@ class GRPO(Objective):
 
     def parts(self, lm, batch):
         """The loss parts of a group batch and the completions' advantages."""
+        check_batch(self, batch, COMPLETIONS)
         policy = completion_logps(lm.loss_outputs(batch), batch)
         device = policy.logps.device
         if ADVANTAGES in batch:

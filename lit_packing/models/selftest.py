@@ -28,9 +28,9 @@ from lit_packing.batch import (
     LABELS,
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
-    PAIRS,
     POSITION_IDS,
     PROMPTS,
+    continuation_prompts,
     model_inputs,
 )
 from lit_packing.errors import IsolationError
@@ -80,8 +80,8 @@ def sample_packed(
     # itself is the tests' to check: tests/models/test_shared_prompt.py).
     prompt_of = {}
     if PROMPTS in batch:
-        for prompt, sides in zip(batch[PROMPTS].tolist(), batch[PAIRS].tolist()):
-            prompt_of.update(dict.fromkeys(sides, prompt))
+        continued, prompts = continuation_prompts(batch)
+        prompt_of = dict(zip(continued.tolist(), prompts.tolist()))
     examples = [
         ([(cu[prompt_of[s]], cu[prompt_of[s] + 1])] if s in prompt_of else []) + [(a, b)]
         for s, (a, b) in enumerate(zip(cu[:-1], cu[1:]))
