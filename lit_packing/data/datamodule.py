@@ -43,6 +43,7 @@ from lit_packing.batch import StepShape
 from lit_packing.contract import DataContract, ModelContract, PairSplit
 from lit_packing.data.cached import CachedFeed, check_val_split
 from lit_packing.data.collate import PackedCollator, PaddedCollator, PairCollator
+from lit_packing.data.groups import GroupCollator
 from lit_packing.data.feed import Feed, FeedSettings, data_loader, named_settings, pad_token_id, require
 from lit_packing.data.global_batch import (
     Accumulation,
@@ -90,7 +91,8 @@ class PackingDataModule(LightningDataModule):
         val_sampler: the same for validation; None calls `sampler(val_lengths, shuffle=False)`.
         val_collator: the collator for validation; None uses `collator`. Set both `val_*` when training cuts or
             mixes examples (the fixed-length variants) but validation must score whole, isolated examples.
-        collator: builds the collate function from the pad id: `PackedCollator` or `PaddedCollator` (the class, or
+        collator: builds the collate function from the pad id: `PackedCollator`, `PaddedCollator`, `PairCollator`
+            (preference pairs) or `GroupCollator` (rollout groups) (the class, or
             in YAML `{class_path: lit_packing.data.PackedCollator, init_args: {pad_to_multiple_of: 64}}`; typed
             by the classes so that jsonargparse builds a factory, not an instance).
         cache_dir: where `datasets` keeps the examples and their tokenization (None: its default cache).
@@ -126,8 +128,8 @@ class PackingDataModule(LightningDataModule):
         num_workers: int = 0,
         sampler: Callable[[np.ndarray], Sampler] = BestFitPackingSampler,
         val_sampler: Callable[[np.ndarray], Sampler] | None = None,
-        collator: Callable[[int], PackedCollator | PaddedCollator | PairCollator] = PackedCollator,
-        val_collator: Callable[[int], PackedCollator | PaddedCollator | PairCollator] | None = None,
+        collator: Callable[[int], PackedCollator | PaddedCollator | PairCollator | GroupCollator] = PackedCollator,
+        val_collator: Callable[[int], PackedCollator | PaddedCollator | PairCollator | GroupCollator] | None = None,
         cache_dir: str | None = None,
         num_proc: int | None = None,
         on_bad_row: OnBadRow = "error",

