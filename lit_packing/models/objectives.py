@@ -37,8 +37,8 @@ REFERENCES = ("precomputed", "copy", "lora")  # model.reference: where an object
 
 
 class Objective:
-    """The seam. Subclasses set `normalizer` and implement `loss`; `evaluate` / `eval_metrics` default to the
-    objective's own loss as a mean over its normaliser's units.
+    """The seam. Subclasses set `normalizer` (and `eval_metrics`, `needs_reference` where they differ) and implement
+    `loss` and `evaluate`.
 
     Attributes:
         normalizer: the key of the optimizer step's totals (`batch["step"]`) the step's loss sum is divided by:
@@ -64,7 +64,7 @@ class Objective:
             raise ConfigError("reference", "lora takes the reference from the model with its adapter disabled",
                               "set {lora} (LoraConfig kwargs) or {reference}=copy")  # fmt: skip
 
-    def loss(self, lm, batch: Mapping[str, Any]) -> tuple[LossParts, dict[str, torch.Tensor]]:
+    def loss(self, lm, batch: Mapping[str, Any]) -> tuple[LossParts, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
         """This micro-batch's `LossParts` (`objective` is the sum to divide by the step's `normalizer` total,
         `token_loss_sum` / `label_tokens` what `train/loss` logs) and its metrics as (sum, count) each: logged as
         the step's sum over its count, over every micro-batch and rank."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.grpo_throughput import padded as padded_groups
 from lit_packing.batch import BEHAVIOUR_LOGPS, STEP, attach_step, model_inputs
 from lit_packing.data.groups import GroupCollator
 from lit_packing.errors import ConfigError, DataError
@@ -97,42 +98,6 @@ def step_loss(model, groups, settings, splits, share=True, reference=None):
     return total, grads
 
 
-def padded_rollouts(groups, settings):
-    """TRL's layout of the same rollouts: a row per completion, its prompt left-padded, the completion right-padded;
-    advantages from the rewards (as TRL computes them: tested apart), behaviour log-probs in the same layout."""
-    prompts, completions, old = [], [], []
-    batch = GroupCollator()(groups)
-    advantages = group_advantages(batch["rewards"], batch["groups"], settings)
-    for group in groups:
-        sizes, ids = group["completion_tokens"], group["input_ids"]
-        prompt = len(ids) - sum(sizes)
-        start, logps = prompt, group.get(BEHAVIOUR_LOGPS)
-        taken = 0
-        for size in sizes:
-            prompts.append(ids[:prompt])
-            completions.append(ids[start : start + size])
-            if logps is not None:
-                old.append(logps[taken : taken + size])
-            start, taken = start + size, taken + size
-    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
-    left = lambda rows, w: torch.tensor([[0] * (w - len(r)) + r for r in rows])  # noqa: E731
-    right = lambda rows, w, pad=0: torch.tensor(
-        [r + [pad] * (w - len(r)) for r in rows],
-        dtype=torch.tensor(pad).dtype if isinstance(pad, int) else torch.float64,
-    )  # noqa: E731
-    mask = lambda rows, w, side: torch.tensor(  # noqa: E731
-        [([0] * (w - len(r)) + [1] * len(r)) if side == "left" else [1] * len(r) + [0] * (w - len(r)) for r in rows]
-    )
-    out = {
-        "prompt_ids": left(prompts, width_p), "prompt_mask": mask(prompts, width_p, "left"),
-        "completion_ids": right(completions, width_c), "completion_mask": mask(completions, width_c, "right"),
-        "advantages": advantages,
-    }  # fmt: skip
-    if old:
-        out["old_per_token_logps"] = right(old, width_c, 0.0)
-    return out
-
-
 @pytest.mark.parametrize("share", [True, False], ids=["prompt_once", "unshared"])
 @pytest.mark.parametrize("beta", [0.0, 0.04], ids=["no_kl", "kl"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -140,7 +105,7 @@ def padded_rollouts(groups, settings):
 def test_the_packed_loss_and_gradients_equal_trls(loss_type, level, beta, share):
     """fp64, off-policy (behaviour log-probs from the data, so ratios clip): TRL's loss and every gradient, and its
     logged clip fractions, entropy and KL."""
-    from tests.helpers.trl_grpo import trl_grpo_loss_and_metrics
+    from benchmarks.trl_grpo import trl_grpo_loss_and_metrics
 
     policy = packed_model(CONFIG, seed=0).double()
     reference = packed_model(CONFIG, seed=1).double().eval() if beta else None
@@ -153,7 +118,7 @@ def test_the_packed_loss_and_gradients_equal_trls(loss_type, level, beta, share)
     parts = grpo_loss(logps_of(policy, batch), group_advantages(batch["rewards"], batch["groups"], settings),
                       settings, batch[BEHAVIOUR_LOGPS],
                       logps_of(reference, batch).logps if beta else None)  # fmt: skip
-    padded = padded_rollouts(groups, settings)
+    padded = padded_groups(groups, settings, torch.float64)
     ref = None
     if beta:
         with torch.no_grad():
