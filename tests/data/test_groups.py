@@ -170,6 +170,25 @@ def test_a_grpo_fit_on_stored_groups_logs_its_metrics(tmp_path):
     assert logged[-1]["train/kl"] > 0  # the policy moved from the reference
 
 
+def test_a_grpo_fit_with_lora_takes_the_reference_with_the_adapter_off(tmp_path):
+    """`model.reference: lora`: the KL is to the base model (the adapter disabled), 0 before the adapter trains."""
+    from lit_packing.models import GRPO, PackedCausalLM
+
+    lm = PackedCausalLM(model_config=dict(TINY_LLAMA), objective=GRPO(beta=0.1), reference="lora",
+                        lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}, lr=1e-2,
+                        memory_check=False)  # fmt: skip
+    kls = []
+
+    class Metrics(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            kls.append(float(trainer.callback_metrics["train/kl"]))
+
+    trainer = Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[Metrics()], limit_val_batches=0)  # fmt: skip
+    trainer.fit(lm, datamodule=group_data(tmp_path))
+    assert kls[0] == 0 and kls[-1] > 0 and not lm.frozen_copies
+
+
 def test_grpo_refuses_a_reference_it_cannot_take_and_batches_of_other_kinds():
     from lit_packing.models import GRPO, PackedCausalLM
 

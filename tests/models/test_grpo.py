@@ -238,3 +238,20 @@ def test_bad_settings_are_refused_in_one_line(kwargs, message):
 def test_bad_groups_are_refused(group, message):
     with pytest.raises(DataError, match=message):
         GroupCollator()([group])
+
+
+@pytest.mark.parametrize("family", ["bamba", "lfm2"])
+def test_a_model_with_other_token_mixers_refuses_a_shared_group_and_takes_it_unshared(family):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lit_packing.models.pack import pack_model
+    from tests.models.families import tiny_config
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**dict(tiny_config(family), vocab_size=1000)))
+    pack_model(model, "per_example", "cpu")
+    with pytest.raises(ConfigError) as error:
+        model(**model_inputs(GroupCollator()(make_groups())), use_cache=False)
+    message = str(error.value)
+    assert message.startswith("data.collator.init_args.share_prompt:") and "\n" not in message
+    unshared = GroupCollator(share_prompt=False)(make_groups())
+    assert completion_logps(model(**model_inputs(unshared), use_cache=False).logits, unshared).logps.isfinite().all()
