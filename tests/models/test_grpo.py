@@ -255,3 +255,26 @@ def test_a_model_with_other_token_mixers_refuses_a_shared_group_and_takes_it_uns
     assert message.startswith("data.collator.init_args.share_prompt:") and "\n" not in message
     unshared = GroupCollator(share_prompt=False)(make_groups())
     assert completion_logps(model(**model_inputs(unshared), use_cache=False).logits, unshared).logps.isfinite().all()
+
+
+def test_a_group_row_counts_each_prompt_once():
+    """Tokens, attention pairs and model FLOPs as run: a prompt's G - 1 other copies saved, G sequences a group."""
+    from lit_packing.batch import COUNTS, KEY_LENGTHS, LENGTHS
+    from lit_packing.cost import flop_coefficients, model_flops, model_shape
+
+    groups = make_groups()
+    unshared, shared = GroupCollator(share_prompt=False)(groups), GroupCollator()(groups)
+    saved = sum(p * (len(sizes) - 1) for p, sizes in SHAPES)
+    assert shared[COUNTS]["real_tokens"] == unshared[COUNTS]["real_tokens"] - saved
+    assert shared[COUNTS]["examples"] == unshared[COUNTS]["examples"] == sum(len(sizes) for _, sizes in SHAPES)
+    assert shared[COUNTS]["label_tokens"] == unshared[COUNTS]["label_tokens"] == sum(sum(s) for _, s in SHAPES)
+    # the prompt's P^2 once, each completion's queries over the prompt and itself
+    assert shared[COUNTS]["sum_sq_lengths"] == sum(p * p + sum(c * (p + c) for c in sizes) for p, sizes in SHAPES)
+    shape = model_shape(packed_model(CONFIG))
+    per_token, per_pair = flop_coefficients(shape)
+    drop = model_flops(shape, unshared[COUNTS], unshared[LENGTHS]) - model_flops(
+        shape, shared[COUNTS], shared[LENGTHS], shared[KEY_LENGTHS]
+    )
+    # unshared sum (p + c)^2 against shared p^2 + sum c (p + c): (G - 1) p^2 + p sum c fewer pairs
+    pairs = sum((len(sizes) - 1) * p * p + p * sum(sizes) for p, sizes in SHAPES)
+    assert drop == pytest.approx(per_token * saved + per_pair * pairs)
