@@ -56,9 +56,11 @@ def main() -> None:
             file.write(json.dumps({**row, "answer": answer}) + "\n")
     rewards = [r for g in groups for r in g["rewards"]]
     lengths = [len(c) for g in groups for c in g["completions"]]
-    print(f"{len(groups)} groups x {args.group_size} in {time.perf_counter() - start:.0f} s: mean reward "
-          f"{sum(rewards) / len(rewards):.3f}, completion tokens {min(lengths)}-{max(lengths)} "
-          f"(mean {sum(lengths) / len(lengths):.1f}) -> {args.out}")
+    print(
+        f"{len(groups)} groups x {args.group_size} in {time.perf_counter() - start:.0f} s: mean reward "
+        f"{sum(rewards) / len(rewards):.3f}, completion tokens {min(lengths)}-{max(lengths)} "
+        f"(mean {sum(lengths) / len(lengths):.1f}) -> {args.out}"
+    )
 
 
 if __name__ == "__main__":

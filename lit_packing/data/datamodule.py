@@ -43,7 +43,6 @@ from lit_packing.batch import StepShape
 from lit_packing.contract import DataContract, ModelContract, PairSplit
 from lit_packing.data.cached import CachedFeed, check_val_split
 from lit_packing.data.collate import PackedCollator, PaddedCollator, PairCollator
-from lit_packing.data.groups import GroupCollator
 from lit_packing.data.feed import Feed, FeedSettings, data_loader, named_settings, pad_token_id, require
 from lit_packing.data.global_batch import (
     Accumulation,
@@ -53,6 +52,7 @@ from lit_packing.data.global_batch import (
     global_batch,
     resumed_accumulation,
 )
+from lit_packing.data.groups import GroupCollator
 from lit_packing.data.mixture import Mixture
 from lit_packing.data.packaged import ChampChats
 from lit_packing.data.report import TokenizationReport
