@@ -18,8 +18,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lit_packing.data.shapes import as_messages
-
 RewardFunction = Callable[..., list[float]]  # (prompts, completions, **columns) -> one reward per completion
 
 
@@ -42,8 +40,8 @@ def sample_groups(
     groups = []
     for start in range(0, len(prompts), batch_prompts):
         chunk = list(prompts[start : start + batch_prompts])
-        rendered = [tokenizer.apply_chat_template(as_messages(p, "user"), tokenize=False, add_generation_prompt=True)
-                    for p in chunk]  # fmt: skip
+        messages = [[{"role": "user", "content": p}] if isinstance(p, str) else list(p) for p in chunk]
+        rendered = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
         encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in rendered]
         width = max(map(len, encoded))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
