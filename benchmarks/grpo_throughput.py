@@ -26,6 +26,7 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks.preference_throughput import smollm2_shape
 from benchmarks.trl_grpo import build_trl_grpo_trainer
 from lit_packing.assets import resolve_pretrained
 from lit_packing.batch import BEHAVIOUR_LOGPS
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.smoke:
         args.groups, args.groups_per_step, args.layers, args.rounds = 4, 2, 2, 1
     tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained("smollm2", with_model=False))
-    shape = {**_smollm2_shape(), "num_hidden_layers": args.layers}
+    shape = {**smollm2_shape(), "num_hidden_layers": args.layers}
     if args.long:  # a group a step: ~17k tokens in TRL's padded rows
         args.groups, args.groups_per_step = (2, 1) if args.smoke else (min(args.groups, 6), 1)
         groups = long_groups(args.groups, 8, shape["vocab_size"])
@@ -198,15 +199,6 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{label:<36}{speed[name]:>20.1f}{ratios[name]:>9.2f}x")
     print(json.dumps(report))
     return report
-
-
-def _smollm2_shape() -> dict:
-    """SmolLM2-135M's architecture (random weights: throughput does not depend on their values)."""
-    return {
-        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-        "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
-        "tie_word_embeddings": True, "rope_theta": 100000.0,
-    }  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.smoke:
         args.layers, args.max_tokens, args.pairs_per_step = 2, 96, 2
     tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained("smollm2", with_model=False))
-    config = AutoConfig.for_model(**{**_smollm2_shape(), "num_hidden_layers": args.layers})
+    config = AutoConfig.for_model(**{**smollm2_shape(), "num_hidden_layers": args.layers})
     torch.manual_seed(0)
     start = AutoModelForCausalLM.from_config(config)
     rows = pairs_of(args, tokenizer)
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def _smollm2_shape() -> dict:
+def smollm2_shape() -> dict:
     """SmolLM2-135M's architecture (its config, random weights: throughput does not depend on their values)."""
     return {
         "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,

@@ -255,6 +255,7 @@ class TokenizedDataset(torch.utils.data.Dataset):
         self.dataset = dataset.with_format("arrow", columns=columns + extra)
         self._lengths: np.ndarray | None = None
         self._label_tokens: np.ndarray | None = None
+        self._completion_tokens: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -279,7 +280,9 @@ class TokenizedDataset(torch.utils.data.Dataset):
         counts = []
         for key in keys:
             if self.groups and not isinstance(key, tuple):  # each completion: the step's sequences count them
-                counts.extend(self[key][COMPLETION_TOKENS])
+                if self._completion_tokens is None:  # the column alone, read once
+                    self._completion_tokens = column(self.dataset, COMPLETION_TOKENS)
+                counts.extend(int(n) for n in self._completion_tokens[key])
             elif isinstance(key, tuple):
                 labels = self[key][LABELS]
                 counts.append(int((labels[1:] != IGNORE_INDEX).sum()))

@@ -23,7 +23,6 @@ import torch
 from lit_packing.batch import ADVANTAGES, BEHAVIOUR_LOGPS, COMPLETIONS, GROUPS, LABELS, PAIRS, REWARDS
 from lit_packing.errors import ConfigError
 from lit_packing.models.grpo import GRPOSettings, completion_logps, group_advantages, grpo_loss
-from lit_packing.models.head import head_inputs
 from lit_packing.models.loss import LossNormalization, LossParts, causal_lm_loss, eval_sums
 from lit_packing.models.preference import (
     PreferenceSettings,
@@ -32,6 +31,7 @@ from lit_packing.models.preference import (
     preference_metrics,
     preference_settings,
 )
+from lit_packing.models.reference import reference_forward, reference_logps
 
 REFERENCES = ("precomputed", "copy", "lora")  # model.reference: where an objective takes reference log-probs from
 
@@ -129,8 +129,6 @@ class Preference(Objective):
 
     def parts(self, lm, batch, stage: str):
         """The policy's log-probs of the batch's pairs against the reference's (`reference.reference_logps`)."""
-        from lit_packing.models.reference import reference_logps
-
         check_batch(self, batch, PAIRS)
         policy = pair_logps(lm.loss_outputs(batch), batch)
         return preference_loss(policy, reference_logps(lm, batch, stage, policy), self.settings)
@@ -193,19 +191,10 @@ class GRPO(Objective):
         else:
             advantages = group_advantages(batch[REWARDS].to(device), batch[GROUPS].to(device), self.settings)
         behaviour = batch[BEHAVIOUR_LOGPS].to(device) if BEHAVIOUR_LOGPS in batch else None
-        reference = self.reference_logps(lm, batch) if self.needs_reference else None
+        reference = None
+        if self.needs_reference:
+            reference = reference_forward(lm, batch, lambda outputs, b: completion_logps(outputs, b).logps)
         return grpo_loss(policy, advantages, self.settings, behaviour, reference), advantages
-
-    @staticmethod
-    def reference_logps(lm, batch) -> torch.Tensor:
-        """The reference's log-probs of every completion token: the frozen copy's, or the model's, adapter off."""
-        with torch.no_grad():
-            if lm.frozen_copies:
-                impl = "liger" if lm.hparams.loss_impl == "liger" else "chunked"
-                outputs = head_inputs(lm.frozen_copies[0], batch, lm.hparams.loss_chunk_size, impl)
-                return completion_logps(outputs, batch).logps
-            with lm.model.disable_adapter():
-                return completion_logps(lm.loss_outputs(batch), batch).logps
 
     def loss(self, lm, batch):
         parts, advantages = self.parts(lm, batch)

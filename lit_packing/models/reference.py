@@ -273,12 +273,18 @@ def reference_logps(lm, batch: Mapping[str, Any], stage: str, policy: PairLogps)
         return lm.precomputed.lookup(stage, batch.get(ROWS, []), policy)
     if not lm.objective.needs_reference:
         return None
+    return reference_forward(lm, batch, pair_logps)
+
+
+def reference_forward(lm, batch: Mapping[str, Any], read: Callable[[Any, Mapping[str, Any]], Any]) -> Any:
+    """`read(outputs, batch)` of the reference's outputs, no gradient: the frozen copy's (`reference=copy`), else
+    the model's with its adapter off (`lora`), read inside that context (the head is adapted too)."""
     with torch.no_grad():
         if lm.frozen_copies:
             impl = "liger" if lm.hparams.loss_impl == "liger" else "chunked"
-            return pair_logps(head_inputs(lm.frozen_copies[0], batch, lm.hparams.loss_chunk_size, impl), batch)
+            return read(head_inputs(lm.frozen_copies[0], batch, lm.hparams.loss_chunk_size, impl), batch)
         with lm.model.disable_adapter():  # reference=lora: the base model, its adapter off
-            return pair_logps(lm.loss_outputs(batch), batch)
+            return read(lm.loss_outputs(batch), batch)
 
 
 def compute_table(lm, split, stage: str) -> ReferenceTable:
