@@ -62,25 +62,27 @@ run: setup
 # pytest. PYTEST_ARGS passes options on, e.g. `make test PYTEST_ARGS="-x -k resume"`.
 PYTEST_ARGS ?=
 # The fast tests on every core (pytest-xdist), a test file to a worker: each runs with one torch thread
-# (tests/conftest.py), so two workers on two cores take about half the time. The slow tests run one at a time
-# (multi-process runs, ports, kill -9).
+# (tests/conftest.py), so two workers on two cores take about half the time. A worker that dies (a native crash)
+# fails the run at once, naming its test (`--max-worker-restart=0`): pytest-xdist 3.8, replacing a crashed worker
+# under `--dist loadfile`, can wait for the replacement without end.
 test: setup emulated
 	@echo "==> pytest -m 'not slow' on every core (the rest: make test-slow)"
-	$(PY) -m pytest -m "not slow" -n auto --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" -n auto --dist loadfile --max-worker-restart=0 $(PYTEST_ARGS)
 
 # `make test-slow`: the slow tests in two passes. First every slow test not marked `serial` (in-process fits, the
 # documented commands, compile, multi-rank runs that compare losses and weights) on every core through
 # pytest-xdist, a test file to a worker; then the `serial` ones one at a time: they kill processes at a moment,
 # measure memory peaks or launch on loopback ports, and want the cores to themselves. Both passes always run. pytest's
 # exit status 5 means "no test collected" (e.g. a PYTEST_ARGS -k that selects no slow test): not a failure. A slow
-# test still running after SLOW_TIMEOUT seconds fails with every thread's stack (pytest-timeout), so a hang costs
-# minutes and names itself rather than taking the rest of a CI run.
+# test still running after SLOW_TIMEOUT seconds fails with every thread's stack (pytest-timeout's thread method: it
+# ends a test blocked inside native code, a collective or a join, which a signal cannot interrupt), so a hang costs
+# minutes and names itself rather than taking the rest of a CI run; a worker that dies fails the pass at once.
 SLOW_TIMEOUT ?= 900
 test-slow: setup emulated
 	@echo "==> pytest -m 'slow and not serial' on every core, then pytest -m 'slow and serial' one at a time"
 	status=0; \
-	$(PY) -m pytest -m "slow and not serial" -n auto --dist loadfile --timeout=$(SLOW_TIMEOUT) $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
-	$(PY) -m pytest -m "slow and serial" --timeout=$(SLOW_TIMEOUT) $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
+	$(PY) -m pytest -m "slow and not serial" -n auto --dist loadfile --max-worker-restart=0 --timeout=$(SLOW_TIMEOUT) --timeout-method=thread $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
+	$(PY) -m pytest -m "slow and serial" --timeout=$(SLOW_TIMEOUT) --timeout-method=thread $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
 	exit $$status
 
 test-all: setup emulated

@@ -30,6 +30,7 @@ __all__ = [
     "batch_sampler_with_epoch",
     "can_set_attn_implementation",
     "checkpoint_position",
+    "checkpoint_renaming",
     "cli_setting",
     "compiled_graphs",
     "dataset_fingerprint",
@@ -520,6 +521,33 @@ def can_set_attn_implementation(model: Any) -> bool:
         lambda: type(model)._can_set_attn_implementation,
     )
     return bool(check())
+
+
+def checkpoint_renaming(model: Any) -> Callable[[str], tuple[str, bool]]:
+    """How transformers renames a checkpoint's tensors when it loads them into `model` (GPT-NeoX's `embed_out.` ->
+    `lm_head.`, legacy names): a function from a stored name to (the model's name for it, whether a converter that
+    merges, splits or reshapes tensors applies to it as well).
+
+    transformers: `conversion_mapping.get_model_conversion_mapping`, `core_model_loading.WeightRenaming` and
+    `core_model_loading.rename_source_key` (modules with no public API); checked on 5.24.0.
+
+    Args:
+        model: a `transformers.PreTrainedModel` (not a PEFT wrapper: pass `get_base_model()`).
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError as error:
+        raise CompatError(moved("transformers", "core_model_loading.rename_source_key")) from error
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+
+    def renamed(key: str) -> tuple[str, bool]:
+        name, converter = rename_source_key(key, renamings, converters)
+        return name, converter is not None
+
+    return renamed
 
 
 class MixerKernel(NamedTuple):

@@ -384,6 +384,20 @@ def test_supports_sdpa(tiny_llama):
     expect(_compat.supports_sdpa(tiny_llama) is True, "transformers", what)
 
 
+def test_checkpoint_renaming(tiny_llama):
+    """transformers' load-time renames: GPT-NeoX's stored `embed_out.` is the model's `lm_head.`; a Llama's names
+    are its own; nothing of either is a converter's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.conftest import TINY_CONFIGS
+
+    what = "core_model_loading.rename_source_key"
+    neox = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_CONFIGS["gpt_neox"]))
+    expect(_compat.checkpoint_renaming(neox)("embed_out.weight") == ("lm_head.weight", False), "transformers", what)
+    same = _compat.checkpoint_renaming(tiny_llama)
+    expect(all(same(name) == (name, False) for name in tiny_llama.state_dict()), "transformers", what)
+
+
 NO_INTERFACE_MODEL = """
 from torch import nn
 from transformers import LlamaConfig, PreTrainedModel

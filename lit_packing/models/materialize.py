@@ -14,8 +14,10 @@ What each step keeps exact:
   embeddings are tied again after the build (the meta patch re-registers a tied weight as a copy), so a tied head
   stays one storage through sharding and `to_empty`;
 - pretrained weights are read by torch's distributed checkpoint with its Hugging Face reader: each rank reads only
-  the slices it holds (`safe_open(...).get_slice`), cast on copy (bf16 on disk -> the run's master dtype); every
-  parameter must be in the files and every file's tensor used (missing or unexpected keys named in one line);
+  the slices it holds (`safe_open(...).get_slice`), cast on copy (bf16 on disk -> the run's master dtype), from the
+  files transformers reads (`weight_files`: those the index names, so a `consolidated.safetensors` shipped beside
+  the shards is neither read nor downloaded); every parameter must be in the files and every file's tensor used but
+  those the model class says to ignore (missing or unexpected keys named in one line);
 - a random init (`model.model_config`, LoRA adapters) is the model's own `_init_weights`, run module by module on
   a whole scratch copy of each module's parameters with one generator seeded by the run's seed, each rank keeping
   its slice (`distribute_tensor`, no communication): the same weights on any number of ranks, on any strategy, as
@@ -28,7 +30,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
+import json
 import math
+import re
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -37,11 +42,14 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import PreTrainedModel
 
+from lit_packing._compat import checkpoint_renaming
 from lit_packing.agree import agreed
 from lit_packing.errors import AssetError, ConfigError
 
 _DEFERRED = contextvars.ContextVar("lit_packing_deferred_weights", default=False)
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+INDEX = "model.safetensors.index.json"  # a sharded checkpoint's map of tensor name -> file
+SINGLE = "model.safetensors"  # an unsharded checkpoint's file
 LORA_SETTING = "model.lora"
 
 
@@ -95,7 +103,45 @@ def local_folder(name_or_path: str) -> str:
         return name_or_path
     from huggingface_hub import snapshot_download
 
-    return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors"])
+    folder = Path(snapshot_download(name_or_path, allow_patterns=["*.json"]))
+    if (folder / INDEX).is_file():  # only the files the index names (not a consolidated copy beside them)
+        wanted = sorted({*json.loads((folder / INDEX).read_text())["weight_map"].values()})
+    else:
+        wanted = [SINGLE]
+    return snapshot_download(name_or_path, allow_patterns=["*.json", *wanted])
+
+
+def weight_files(folder: Path, name: str) -> list[Path]:
+    """The safetensors files of a checkpoint folder that hold its weights, as transformers reads them: the files its
+    index (`model.safetensors.index.json`) names, else `model.safetensors`, else (a folder of another writer) every
+    `.safetensors` file in it. Other files beside them (Mistral's `consolidated.safetensors`) are not read.
+
+    Raises:
+        AssetError: the index names a file the folder lacks.
+    """
+    if (folder / INDEX).is_file():
+        names = sorted({*json.loads((folder / INDEX).read_text())["weight_map"].values()})
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise AssetError("model.name_or_path", f"{name} ({folder}): {INDEX} names {missing[0]}, which is not there",
+                             "download the checkpoint again (a file is missing)")  # fmt: skip
+        return [folder / n for n in names]
+    if (folder / SINGLE).is_file():
+        return [folder / SINGLE]
+    return sorted(folder.glob("*.safetensors"))
+
+
+@contextlib.contextmanager
+def only_files(folder: Path, files: list[Path]) -> Iterator[Path]:
+    """`folder` itself when `files` are all its safetensors files, else a scratch folder linking just `files` (torch's
+    Hugging Face reader reads every `.safetensors` file of the folder it is given)."""
+    if set(files) == set(folder.glob("*.safetensors")):
+        yield folder
+        return
+    with tempfile.TemporaryDirectory(prefix="lit_packing_weights_") as scratch:
+        for file in files:
+            (Path(scratch) / file.name).symlink_to(file.resolve())
+        yield Path(scratch)
 
 
 def is_meta(model: torch.nn.Module) -> bool:
@@ -195,19 +241,24 @@ def load_slices(model: torch.nn.Module, weights: Weights) -> set[str]:
     folder = Path(weights.folder)
     wanted = checkpoint_names(model)
     with agreed():  # a folder one rank cannot read stops every rank, not just that one (the others in dcp.load)
-        stored = stored_shapes(folder, weights.name)
-        check_names(stored, {name: tuple(p.shape) for name, p in wanted.items()}, weights.name, _tied_aliases(model))
+        files = weight_files(folder, weights.name)
+        stored_as = model_names(model, stored_shapes(folder, weights.name, files), weights.name)
+        stored = {name: shape for name, (_, shape) in stored_as.items()}
+        check_names(stored, {name: tuple(p.shape) for name, p in wanted.items()}, weights.name,
+                    _tied_aliases(model) | _ignored(model, stored))  # fmt: skip
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    dcp.load(dict(wanted), storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not distributed)
+    as_stored = {stored_as[name][0] if name in stored_as else name: param for name, param in wanted.items()}
+    with only_files(folder, files) as readable:
+        dcp.load(as_stored, storage_reader=HuggingFaceStorageReader(str(readable)), no_dist=not distributed)
     ids = {id(p) for p in wanted.values()}
     return {name for name, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
 
 
-def stored_shapes(folder: Path, name: str) -> dict[str, tuple[int, ...]]:
-    """Every tensor's name and shape in `folder`'s safetensors files (read from their headers)."""
+def stored_shapes(folder: Path, name: str, files: list[Path] | None = None) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape in the checkpoint's safetensors files (`weight_files`), from their headers."""
     from safetensors import safe_open
 
-    files = sorted(folder.glob("*.safetensors"))
+    files = weight_files(folder, name) if files is None else files
     if not files:
         raise AssetError(
             "model.name_or_path",
@@ -220,6 +271,31 @@ def stored_shapes(folder: Path, name: str) -> dict[str, tuple[int, ...]]:
             for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
                 shapes[key] = tuple(handle.get_slice(key).get_shape())
     return shapes
+
+
+def model_names(
+    model: torch.nn.Module, stored: dict[str, tuple[int, ...]], name: str
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The stored tensors under the model's names for them, as transformers renames them on load: model name ->
+    (stored name, shape).
+
+    Raises:
+        AssetError: a tensor transformers converts on load (merges, splits or reshapes), which slices cannot read.
+    """
+    rename = checkpoint_renaming(_base(model))
+    found = {}
+    for key, shape in stored.items():
+        renamed, converted = rename(key)
+        if converted:
+            raise AssetError(
+                "model.name_or_path",
+                f"{name} stores {key} in a layout transformers converts on load (tensors merged, split or reshaped),"
+                " which a sharded load cannot read slice by slice",
+                "train with trainer.strategy=ddp (transformers converts it), or load it once with from_pretrained, "
+                "save_pretrained it and train from that folder",
+            )
+        found[renamed] = (key, shape)
+    return found
 
 
 def check_names(
@@ -254,6 +330,13 @@ def check_names(
             "check the folder's config.json against its weights, or load it with trainer.strategy=ddp to let "
             "transformers convert it",
         )
+
+
+def _ignored(model: torch.nn.Module, stored: dict[str, tuple[int, ...]]) -> set[str]:
+    """The stored tensors transformers ignores on load for this model class (its `_keys_to_ignore_on_load_unexpected`
+    patterns: e.g. rotary `inv_freq` buffers older checkpoints saved): not read, not refused."""
+    patterns = getattr(_base(model), "_keys_to_ignore_on_load_unexpected", None) or []
+    return {key for key in stored if any(re.search(pattern, key) for pattern in patterns)}
 
 
 def _tied_aliases(model: torch.nn.Module) -> set[str]:

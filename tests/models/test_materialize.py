@@ -128,6 +128,51 @@ def test_a_folder_without_safetensors_is_refused_before_any_rank_reads(tmp_path)
         stored_shapes(tmp_path, "old-model")
 
 
+def _meta_filled(model_config: dict, folder: Path) -> torch.nn.Module:
+    with deferred_weights():
+        meta = PackedCausalLM(model_config=model_config, memory_check=False).model
+    materialize(meta, "cpu", Weights("saved", str(folder), SEED))
+    return meta
+
+
+def test_a_sharded_checkpoint_reads_the_files_its_index_names_and_no_other(tmp_path):
+    """A folder as Mistral's ship: index + shards, and a `consolidated.safetensors` of the same weights under other
+    names beside them. Only the index's files are read (before: refused, 'tensors the model has no parameter for');
+    a file the index names but the folder lacks is named."""
+    saved = AutoModelForCausalLM.from_config(AutoConfig.for_model(**SMALL))
+    saved.save_pretrained(tmp_path, max_shard_size="1MB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    save_file({f"consolidated.{k}": v.contiguous() for k, v in saved.state_dict().items()},
+              str(tmp_path / "consolidated.safetensors"))  # fmt: skip
+    filled = _meta_filled(SMALL, tmp_path)
+    for name, tensor in saved.state_dict().items():
+        assert torch.equal(filled.state_dict()[name], tensor), name
+    (tmp_path / shards[-1]).unlink()
+    with pytest.raises(AssetError, match=f"names {shards[-1]}, which is not there"):
+        _meta_filled(SMALL, tmp_path)
+
+
+def test_stored_tensors_the_model_class_ignores_on_load_are_not_refused(tmp_path):
+    """GPT-NeoX checkpoints carry `attention.bias` / `masked_bias` buffers transformers ignores on load
+    (`_keys_to_ignore_on_load_unexpected`): ignored here too; any other stray tensor is still refused."""
+    from tests.conftest import TINY_CONFIGS
+
+    config = TINY_CONFIGS["gpt_neox"]
+    saved = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    saved.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["gpt_neox.layers.0.attention.bias"] = torch.ones(4, 4, dtype=torch.bool)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    filled = _meta_filled(config, tmp_path)
+    assert all(torch.equal(filled.state_dict()[n], t) for n, t in saved.state_dict().items())
+    tensors["gpt_neox.layers.0.stray.weight"] = torch.ones(2)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(AssetError, match="no parameter for \\(first: gpt_neox.layers.0.stray.weight\\)"):
+        _meta_filled(config, tmp_path)
+
+
 def test_the_file_plan_keeps_each_file_under_its_size_and_a_tied_weight_once():
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_LLAMA))
     files = file_plan(model, 200_000)
