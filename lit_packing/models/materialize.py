@@ -104,11 +104,15 @@ def local_folder(name_or_path: str) -> str:
     from huggingface_hub import snapshot_download
 
     folder = Path(snapshot_download(name_or_path, allow_patterns=["*.json"]))
-    if (folder / INDEX).is_file():  # only the files the index names (not a consolidated copy beside them)
-        wanted = sorted({*json.loads((folder / INDEX).read_text())["weight_map"].values()})
-    else:
-        wanted = [SINGLE]
+    wanted = indexed_files(folder) or [SINGLE]  # only the files the index names (not a consolidated copy beside them)
     return snapshot_download(name_or_path, allow_patterns=["*.json", *wanted])
+
+
+def indexed_files(folder: Path) -> list[str] | None:
+    """The file names a checkpoint's index (`model.safetensors.index.json`) maps its tensors to; None without one."""
+    if not (folder / INDEX).is_file():
+        return None
+    return sorted({*json.loads((folder / INDEX).read_text())["weight_map"].values()})
 
 
 def weight_files(folder: Path, name: str) -> list[Path]:
@@ -119,8 +123,8 @@ def weight_files(folder: Path, name: str) -> list[Path]:
     Raises:
         AssetError: the index names a file the folder lacks.
     """
-    if (folder / INDEX).is_file():
-        names = sorted({*json.loads((folder / INDEX).read_text())["weight_map"].values()})
+    names = indexed_files(folder)
+    if names is not None:
         missing = [n for n in names if not (folder / n).is_file()]
         if missing:
             raise AssetError("model.name_or_path", f"{name} ({folder}): {INDEX} names {missing[0]}, which is not there",
