@@ -10,7 +10,9 @@ The prediction adds, to what the process already holds (CPU: resident memory; CU
 included), AdamW's two states and the half-precision weight copies autocast makes under mixed precision, then the
 larger of two moments of the step: the start of the backward (every activation autograd keeps for the step's
 largest batch, the loss's logits buffers, the LM head's gradient) and the optimizer step (every gradient plus one
-more copy for the foreach temporaries). Activations are measured, not modelled: a forward of the real model on 3
+more copy for the foreach temporaries). On a CPU the backward's start also counts the heap: the share of the step's
+activations and logits glibc keeps after freeing them, less what the gradients then reuse (`CPU_HEAP_RETENTION`,
+measured). Activations are measured, not modelled: a forward of the real model on 3
 short probes (64, 128, 256 tokens) records what autograd saves (`saved_tensors_hooks`), fitted as
 a + b * tokens + c * pairs (pairs: the attention cost, sum(L^2) packed, rows x width^2 padded), then scaled to the
 largest step.
@@ -55,6 +57,14 @@ GiB = 2**30
 # Bytes per logit while the loss runs: the head's output, the fp32 upcast (or the bf16 gradient under autocast),
 # the log-softmax kept for backward, its fp32 gradient.
 LOGIT_BYTES = 16
+# On a CPU, glibc's allocator keeps in the process's heap much of what a step frees (its dynamic mmap threshold
+# moves activation-sized blocks from mmap to the heap after their first free), so the resident peak exceeds the live
+# tensors: by a share of the step's transient bytes (activations and the loss's logits), less what the step's
+# gradients and the optimizer's foreach copies then take from those retained blocks. Measured on SmolLM2-135M's
+# 2,048-token packs, 3 steps: 0.73x of the transient bytes kept with LoRA and QLoRA (whose gradients are a few MB),
+# more over 10 steps; less the reuse, 0.19x with full weights (0.5 GiB of gradients). See docs/memory_and_compile.md.
+# A GPU's caching allocator is read as its live tensors (`memory_allocated`): nothing added there.
+CPU_HEAP_RETENTION = 0.75
 
 
 @dataclass(frozen=True)
@@ -77,10 +87,11 @@ class MemoryEstimate:
     shards: int = 1
     gathered: int = 0
     context: int = 1
+    heap: int = 0
 
     @property
     def peak(self) -> int:
-        backward_start = self.activations + self.logits + self.head_gradient
+        backward_start = self.activations + self.logits + self.head_gradient + self.heap
         optimizer_step = 2 * self.gradients
         fixed = self.resident + self.optimizer + self.autocast_weights + self.gathered
         return fixed + max(backward_start, optimizer_step)
@@ -97,7 +108,8 @@ class MemoryEstimate:
     def summary(self) -> str:
         parts = ", ".join(
             f"{name} {getattr(self, name) / GiB:.2f}"
-            for name in ("resident", "optimizer", "autocast_weights", "activations", "logits", "gradients")
+            for name in ("resident", "optimizer", "autocast_weights", "activations", "logits", "gradients", "heap")
+            if name != "heap" or self.heap  # the CPU allocator's share of what the step frees
         )
         cap = f"; model.memory_limit_gb limits the whole process to {self.limit / GiB:.2f} GiB" if self.capped else ""
         if self.context > 1:
@@ -166,6 +178,8 @@ class MemoryModel:
         gathered: what a sharded rank holds whole at once beyond its shards (`sharding.gathered_parameter_bytes`).
         context: the context-parallel ranks a pack is split over: a rank's activations are its share's.
         key_value_bytes: bytes per token of one layer's keys and values, which a context-parallel rank gathers.
+        heap_retention: the share of a step's transient bytes the allocator keeps beyond the live tensors
+            (`CPU_HEAP_RETENTION` on a CPU, 0 on a GPU).
     """
 
     device: str
@@ -188,6 +202,7 @@ class MemoryModel:
     gathered: int = 0
     context: int = 1
     key_value_bytes: int = 0
+    heap_retention: float = 0.0
 
     def estimate(self, step: StepShape) -> MemoryEstimate:
         """The predicted peak of training on `step` (see the module docstring), from the probes already run."""
@@ -208,6 +223,7 @@ class MemoryModel:
         else:
             activations = full + full / self.layers + self.layers * keys  # + a layer's gradients in the backward
         rows = tokens if self.loss_impl == "full" else min(tokens, self.loss_chunk_size)
+        logits = rows * self.vocab_size * LOGIT_BYTES
         return MemoryEstimate(
             step=step,
             device=self.device,
@@ -215,7 +231,7 @@ class MemoryModel:
             optimizer=self.optimizer,
             autocast_weights=self.autocast_weights,
             activations=int(activations),
-            logits=rows * self.vocab_size * LOGIT_BYTES,
+            logits=logits,
             head_gradient=self.head_gradient,
             gradients=self.gradients,
             available=self.available,
@@ -225,6 +241,7 @@ class MemoryModel:
             shards=self.shards,
             gathered=self.gathered,
             context=self.context,
+            heap=max(0, int(self.heap_retention * (activations + logits)) - 2 * self.gradients),
         )
 
 
@@ -351,6 +368,7 @@ def memory_model(lm: Any, precision: str, padded: bool) -> MemoryModel:
         gathered=gathered_parameter_bytes(lm.model, "mixed" in str(precision)) if shards > 1 else 0,
         context=lm.context.size if getattr(lm, "context", None) is not None else 1,
         key_value_bytes=2 * kv_heads * head_dim * (2 if mixed else next(hf.parameters()).element_size()),
+        heap_retention=CPU_HEAP_RETENTION if device.type == "cpu" else 0.0,
     )
 
 

@@ -21,7 +21,13 @@ from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.errors import ConfigError
 from lit_packing.models import PackedCausalLM
 from lit_packing.models.activations import activation_model, saved_activation_bytes
-from lit_packing.models.memory import GiB, choose_largest_fitting, estimate_step_memory, memory_model
+from lit_packing.models.memory import (
+    CPU_HEAP_RETENTION,
+    GiB,
+    choose_largest_fitting,
+    estimate_step_memory,
+    memory_model,
+)
 from lit_packing.samplers import BestFitPackingSampler, FixedLengthPackingSampler, RandomBatchSampler
 from tests.conftest import TINY_CONFIGS
 
@@ -125,6 +131,24 @@ def test_gradient_checkpointing_and_chunked_loss_shrink_the_prediction():
     assert predicted["full"].logits == 8192 * 32000 * 16
     assert predicted["chunked"].logits == 1024 * 32000 * 16
     assert predicted["chunked+checkpointing"].activations < predicted["chunked"].activations / 2
+
+
+def test_on_a_cpu_the_heap_the_allocator_keeps_is_counted_less_what_gradients_reuse():
+    """A CPU process keeps a share of a step's freed activations and logits in its heap (glibc), and the step's
+    gradients and the optimizer's copies then reuse part of it; a GPU's allocator is read as live tensors."""
+    step = StepShape(4096, 4096, 1, 4096)
+    for lora in (None, {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}):
+        torch.manual_seed(0)
+        lm = PackedCausalLM(model_config=dict(TINY_CONFIGS["llama"], vocab_size=32000), lora=lora)
+        memory = memory_model(lm, "32-true", padded=False)
+        assert memory.heap_retention == CPU_HEAP_RETENTION
+        cpu = memory.estimate(step)
+        kept = int(CPU_HEAP_RETENTION * (cpu.activations + cpu.logits))
+        assert cpu.heap == max(0, kept - 2 * cpu.gradients) and "heap" in cpu.summary()
+        gpu = dataclasses.replace(memory, heap_retention=0.0).estimate(step)
+        assert gpu.heap == 0 and "heap" not in gpu.summary()
+        assert cpu.peak == gpu.peak + cpu.heap  # 4,096 tokens: the backward's start is the peak
+    assert cpu.heap > 0 and cpu.gradients < kept / 2  # with adapters: a few gradients, most of the heap kept
 
 
 def test_a_step_that_cannot_fit_is_refused_with_the_knobs():
