@@ -222,6 +222,7 @@ class MemoryModel:
             activations = self.layers * tokens * self.layer_input_bytes + 2 * full / self.layers + keys
         else:
             activations = full + full / self.layers + self.layers * keys  # + a layer's gradients in the backward
+        activations = int(activations)
         rows = tokens if self.loss_impl == "full" else min(tokens, self.loss_chunk_size)
         logits = rows * self.vocab_size * LOGIT_BYTES
         return MemoryEstimate(
@@ -230,7 +231,7 @@ class MemoryModel:
             resident=self.resident,
             optimizer=self.optimizer,
             autocast_weights=self.autocast_weights,
-            activations=int(activations),
+            activations=activations,
             logits=logits,
             head_gradient=self.head_gradient,
             gradients=self.gradients,
