@@ -73,7 +73,7 @@ def run_peer(spec: RunSpec, result: RunResult) -> None:
         adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, max_grad_norm=1.0, lr_scheduler_type="constant",
         warmup_steps=0, logging_steps=spec.steps, report_to="none", save_strategy="no", eval_strategy="no",
         use_cpu=device.type == "cpu", bf16=spec.precision.startswith("bf16"), dataloader_num_workers=0,
-        seed=spec.seed, disable_tqdm=True, activation_checkpointing=spec.gradient_checkpointing,
+        seed=spec.seed, disable_tqdm=True, **{_checkpointing_field(): spec.gradient_checkpointing},
         optim="adamw_torch_fused" if device.type == "cuda" else "adamw_torch",  # the AdamW ours runs there
     )  # fmt: skip
     train = data.train_dataset
@@ -125,3 +125,15 @@ def run_peer(spec: RunSpec, result: RunResult) -> None:
     cli.model.model.load_state_dict(model.state_dict())
     result.val_loss = validate(cli)
     result.device = str(device)
+
+
+def _checkpointing_field() -> str:
+    """`activation_checkpointing` from transformers 5.2x on (`gradient_checkpointing` then warns, as an alias);
+    `gradient_checkpointing` before it (5.17 has no such field)."""
+    from dataclasses import fields
+
+    from transformers import TrainingArguments
+
+    names = {field.name for field in fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
