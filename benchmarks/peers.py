@@ -136,4 +136,3 @@ def _checkpointing_field() -> str:
 
     names = {field.name for field in fields(TrainingArguments)}
     return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
-

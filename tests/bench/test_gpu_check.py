@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from transformers import TrainingArguments
 
 from benchmarks.peers import _checkpointing_field
