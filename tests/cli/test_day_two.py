@@ -131,13 +131,20 @@ def test_an_unknown_key_in_a_yaml_file_names_the_nearest(tmp_path):
     assert one_line_error(done) == "error: data.max_lenght is not a setting here: did you mean --data.max_length?"
 
 
-@pytest.mark.slow  # five launches of main.py, three of them fits: over a minute on 2 cores
+@pytest.mark.slow  # seven launches of main.py, three of them fits: over a minute on 2 cores
 def test_continuing_a_run_with_nothing_left_to_train_stops_before_training(tmp_path):
     """`max_steps` counts from the start of the run: the same limit again stops at once, naming the checkpoint's
-    step and the value that trains more; that value trains, from the exact position."""
+    step and the value that trains more; that value trains, from the exact position. Before that, `validate` and
+    `test` of the first fit's checkpoint print their metrics and write no run folder."""
     run = [*QUICK[:-1], "--data.limit=64", "--trainer.max_steps=2"]
     assert main_py(tmp_path, *run).returncode == 0
     ckpt = ["--ckpt_path", "last"]  # the run's newest checkpoint, in its folder
+    before = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").rglob("*"))
+    for command in ("validate", "test"):
+        done = main_py(tmp_path, command, *run[1:], *ckpt)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        assert f"{'val' if command == 'validate' else 'test'}/loss" in done.stdout
+    assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").rglob("*")) == before
     started = time.perf_counter()
     again = main_py(tmp_path, *run, *ckpt)
     assert one_line_error(again) == (
@@ -158,18 +165,6 @@ def test_continuing_a_run_with_nothing_left_to_train_stops_before_training(tmp_p
         "runs/quickstart/version_0/checkpoints/last.ckpt is at "
     )
     assert "with 1 epoch completed: nothing is left to train; --trainer.max_epochs=2 trains 1 more" in last.stdout
-
-
-@pytest.mark.slow  # three launches of main.py: a fit, validate, test
-def test_validate_and_test_print_metrics_and_write_no_run_folder(tmp_path):
-    run = [*QUICK[:-1], "--data.limit=64", "--trainer.max_steps=1"]
-    assert main_py(tmp_path, *run).returncode == 0
-    before = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").rglob("*"))
-    for command in ("validate", "test"):
-        done = main_py(tmp_path, command, *run[1:], "--ckpt_path", "last")
-        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-        assert f"{'val' if command == 'validate' else 'test'}/loss" in done.stdout
-    assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").rglob("*")) == before
 
 
 def test_every_toolkit_line_is_on_stdout(tmp_path):
