@@ -247,12 +247,28 @@ def env() -> dict:
             "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # fmt: skip
 
 
+def start_loads(tmp: Path, runs: dict[str, dict]) -> dict:
+    """Every load at once, each its ranks' reports: {name: [rank 0's, rank 1's, ...]}."""
+    started = {}
+    for name, run in runs.items():
+        args = [sys.executable, str(LOAD), json.dumps({**run, "out": str(tmp / name)})]
+        log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 (closed below)
+        started[name] = (subprocess.Popen(args, cwd=tmp, env=env(), stdout=log, stderr=subprocess.STDOUT), log)
+    for name, (process, log) in started.items():
+        assert process.wait(timeout=900) == 0, (tmp / f"{name}.log").read_text()[-4000:]
+        log.close()
+    return {
+        name: [json.loads((tmp / f"{name}.rank{r}.json").read_text()) for r in range(run["devices"])]
+        for name, run in runs.items()
+    }
+
+
 @pytest.fixture(scope="module")
 def loads(tmp_path_factory) -> dict:
-    """Every load at once, each its ranks' reports: {name: [rank 0's, rank 1's, ...]}, with "model_bytes"."""
+    """The big model's loads, whose memory is measured (the serial pass: nothing else runs beside them), with
+    "model_bytes"."""
     tmp = tmp_path_factory.mktemp("materialize")
     big_bytes = save_checkpoint(tmp / "big", BIG, "200MB")
-    save_checkpoint(tmp / "small", SMALL, "1MB")
     runs = {
         **{f"big{n}": {"folder": str(tmp / "big"), "devices": n} for n in (1, 2, 4)},
         "big2_export": {
@@ -262,6 +278,17 @@ def loads(tmp_path_factory) -> dict:
             "file_bytes": 200_000_000,
         },  # fmt: skip
         "big2_whole": {"folder": str(tmp / "big"), "devices": 2, "whole": True},
+    }
+    return {**start_loads(tmp, runs), "model_bytes": big_bytes, "tmp": tmp}
+
+
+@pytest.fixture(scope="module")
+def small_loads(tmp_path_factory) -> dict:
+    """The small model's loads, whose weights alone are compared (the first pass, beside other tests): 2 x 2 data x
+    tensor parallel with an export, LoRA on 2 ranks, random inits on 1 and 2."""
+    tmp = tmp_path_factory.mktemp("materialize_small")
+    save_checkpoint(tmp / "small", SMALL, "1MB")
+    runs = {
         "small_tp": {
             "folder": str(tmp / "small"),
             "devices": 4,
@@ -272,29 +299,36 @@ def loads(tmp_path_factory) -> dict:
         "small_lora": {"folder": str(tmp / "small"), "devices": 2, "lora": LORA, "weights": True},
         **{f"random{n}": {"model_config": SMALL, "devices": n, "weights": True} for n in (1, 2)},
     }
-    started = {}
-    for name, run in runs.items():
-        args = [sys.executable, str(LOAD), json.dumps({**run, "out": str(tmp / name)})]
-        log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 (closed below)
-        started[name] = (subprocess.Popen(args, cwd=tmp, env=env(), stdout=log, stderr=subprocess.STDOUT), log)
-    for name, (process, log) in started.items():
-        assert process.wait(timeout=900) == 0, (tmp / f"{name}.log").read_text()[-4000:]
-        log.close()
-    out = {
-        name: [json.loads((tmp / f"{name}.rank{r}.json").read_text()) for r in range(run["devices"])]
-        for name, run in runs.items()
-    }
-    return {**out, "model_bytes": big_bytes, "tmp": tmp}
+    return {**start_loads(tmp, runs), "tmp": tmp}
+
+
+def assert_slices_equal(loads: dict, names: tuple[str, ...]) -> None:
+    for name in names:
+        for rank, report in enumerate(loads[name]):
+            assert report["slices_equal"], (name, rank)
+            assert report["buffers_equal"], (name, rank)  # rotary inv_freq as the model computes it
+            assert report["tied"] == name.startswith("big"), (name, rank)  # one storage after to_empty
+
+
+def assert_export_round_trips(tmp: Path, source: str, export: str) -> None:
+    """`from_pretrained` of the exported folder gives the checkpoint's weights (the model's dtype) tensor for
+    tensor."""
+    expected = AutoModelForCausalLM.from_pretrained(tmp / source, dtype=torch.float32).state_dict()
+    exported = AutoModelForCausalLM.from_pretrained(tmp / export, dtype=torch.float32).state_dict()
+    assert exported.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(exported[name], tensor), (export, name)
 
 
 @pytest.mark.slow
 @pytest.mark.serial
 def test_every_rank_holds_its_slices_of_the_checkpoint_bit_for_bit(loads):
-    for name in ("big1", "big2", "big4", "big2_export", "small_tp", "small_lora"):
-        for rank, report in enumerate(loads[name]):
-            assert report["slices_equal"], (name, rank)
-            assert report["buffers_equal"], (name, rank)  # rotary inv_freq as the model computes it
-            assert report["tied"] == name.startswith("big"), (name, rank)  # one storage after to_empty
+    assert_slices_equal(loads, ("big1", "big2", "big4", "big2_export"))
+
+
+@pytest.mark.slow
+def test_every_rank_of_a_tensor_parallel_or_lora_load_holds_its_slices_bit_for_bit(small_loads):
+    assert_slices_equal(small_loads, ("small_tp", "small_lora"))
 
 
 @pytest.mark.slow
@@ -323,27 +357,27 @@ def test_loading_on_n_ranks_costs_each_rank_its_shard(loads):
 @pytest.mark.slow
 @pytest.mark.serial
 def test_the_export_round_trips_without_rank_0_holding_the_model(loads):
-    """From 2 ranks, tied; and from 2 x 2 (data x tensor parallel), untied: `from_pretrained` of the folder gives
-    the checkpoint's weights (the model's dtype) tensor for tensor. Rank 0 holds its shard and one other rank's
-    block of rows at a time: measured 0.71-0.72 x the model at its peak, 0.11 above what it held before the export (the
-    embeddings' block); gathering each tensor whole took it to 0.95-1.01."""
+    """From 2 ranks, tied. Rank 0 holds its shard and one other rank's block of rows at a time: measured 0.71-0.72
+    x the model at its peak, 0.11 above what it held before the export (the embeddings' block); gathering each
+    tensor whole took it to 0.95-1.01."""
     tmp = loads["tmp"]
-    for source, export in (("big", "big_export"), ("small", "small_export")):
-        expected = AutoModelForCausalLM.from_pretrained(tmp / source, dtype=torch.float32).state_dict()
-        exported = AutoModelForCausalLM.from_pretrained(tmp / export, dtype=torch.float32).state_dict()
-        assert exported.keys() == expected.keys()
-        for name, tensor in expected.items():
-            assert torch.equal(exported[name], tensor), (export, name)
-    assert len(list((tmp / "big_export").glob("*.safetensors"))) > 1 and (tmp / "small_export" / "config.json").exists()
+    assert_export_round_trips(tmp, "big", "big_export")
+    assert len(list((tmp / "big_export").glob("*.safetensors"))) > 1
     rank0, model = loads["big2_export"][0], loads["model_bytes"]
     assert rank0["export_peak"] < 0.85 * model, rank0["export_peak"] / model
     assert rank0["export_peak"] - rank0["held_before_export"] < 0.2 * model, rank0["held_before_export"] / model
 
 
 @pytest.mark.slow
-@pytest.mark.serial
-def test_a_random_init_and_lora_adapters_are_one_process_weights_on_any_number_of_ranks(loads):
-    tmp = loads["tmp"]
+def test_the_export_of_2_x_2_data_x_tensor_parallel_ranks_round_trips_untied(small_loads):
+    tmp = small_loads["tmp"]
+    assert_export_round_trips(tmp, "small", "small_export")
+    assert (tmp / "small_export" / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_a_random_init_and_lora_adapters_are_one_process_weights_on_any_number_of_ranks(small_loads):
+    tmp = small_loads["tmp"]
     torch.manual_seed(SEED)
     one = PackedCausalLM(model_config=SMALL, memory_check=False, isolation_check=False).model.state_dict()
     for n in (1, 2):
