@@ -466,8 +466,8 @@ def test_dpo_sharded_trains_the_ddp_runs_losses_with_either_reference(tmp_path):
     """`--config dpo --config fsdp2` on 2 ranks (CHAMP pairs, 3 steps) against DDP: with the precomputed reference
     (each rank's share of the pass through the sharded model, gathered) and with a frozen copy, the same losses.
     Each run its own data cache: the reference log-probs are cached beside the tokenized data."""
-    pairs = ("--data.limit=48", "--data.val_split=8", "--data.max_length=2048",
-             "--data.sampler.init_args.max_tokens=4096", "--trainer.max_steps=3", "--model.lr=1e-4")  # fmt: skip
+    pairs = ("--data.limit=48", "--data.val_split=8", "--data.max_length=1024",
+             "--data.sampler.init_args.max_tokens=2048", "--trainer.max_steps=3", "--model.lr=1e-4")  # fmt: skip
     runs = {
         name: cli_fit(
             tmp_path,
