@@ -167,8 +167,7 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.serial
+@pytest.mark.slow  # the first pass, beside other runs: a free port, nothing killed or measured
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_two_node_launch_on_loopback_then_resume_on_one_process(tmp_path, tiny_llama_config, layout):
     """`torchrun --nnodes=2` twice (node ranks 0 and 1) trains over gloo (DDP with 1 rank a node; FSDP2 with 2 a
