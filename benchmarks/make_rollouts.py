@@ -3,7 +3,7 @@ answers each with the sampler's log-probs, rewarded 1 when the answer's last num
 
     python -m benchmarks.make_rollouts            # -> lit_packing/data/rollouts/arithmetic.jsonl (ArithmeticRollouts)
 
-The questions are seeded one-digit sums; sampling at temperature 1, no
+The questions are `ArithmeticPrompts`' seeded one-digit sums; sampling at temperature 1, no
 top-k / top-p, so the stored log-probs are the model's own at the time it sampled (`models/rollouts.py`).
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from pathlib import Path
 
@@ -19,18 +18,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_packing.assets import resolve_pretrained
+from lit_packing.data import ArithmeticPrompts
 from lit_packing.models.rollouts import final_number, sample_groups, score_groups
 
 OUT = Path(__file__).resolve().parents[1] / "lit_packing" / "data" / "rollouts" / "arithmetic.jsonl"
-
-
-def questions(n: int, seed: int) -> list[tuple[str, int]]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        a, b = rng.randint(1, 9), rng.randint(1, 9)
-        out.append((f"What is {a} + {b}?", a + b))
-    return out
 
 
 def main() -> None:
@@ -44,14 +35,13 @@ def main() -> None:
     path = resolve_pretrained("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    asked = questions(args.prompts, args.seed)
+    asked = ArithmeticPrompts(n=args.prompts, seed=args.seed).load()
     start = time.perf_counter()
-    prompts = [q for q, _ in asked]
-    groups = sample_groups(model, tokenizer, prompts, args.group_size, args.max_new_tokens, seed=args.seed)
-    score_groups(groups, final_number, answer=[a for _, a in asked])
+    groups = sample_groups(model, tokenizer, asked["prompt"], args.group_size, args.max_new_tokens, seed=args.seed)
+    score_groups(groups, final_number, answer=asked["answer"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as file:
-        for group, (_, answer) in zip(groups, asked):
+        for group, answer in zip(groups, asked["answer"]):
             row = {key: group[key] for key in ("prompt", "completions", "rewards", "behaviour_logps")}
             file.write(json.dumps({**row, "answer": answer}) + "\n")
     rewards = [r for g in groups for r in g["rewards"]]

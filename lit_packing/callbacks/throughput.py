@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lit_packing._compat import data_parallel, should_update_logs
-from lit_packing.batch import COUNTS, KEY_LENGTHS, LENGTHS, SOURCE_TOKENS, WINDOW
+from lit_packing.batch import COUNTS, KEY_LENGTHS, LENGTHS, ROUND, SOURCE_TOKENS, WINDOW
 from lit_packing.contract import DataContract
 from lit_packing.cost import ModelShape, hardware_flops, model_flops, model_shape
 
@@ -31,6 +31,11 @@ _RATES = {  # logged name -> count it divides by time
     "slot_tokens_per_sec": "slot_tokens",
     "examples_per_sec": "examples",
 }
+
+
+def _sampling_seconds(batch: Any) -> float:
+    """The seconds this rank spent sampling on-policy rollouts so far (0 for other data)."""
+    return batch.get(ROUND, {}).get("clock", {}).get("sampling_s", 0.0) if isinstance(batch, dict) else 0.0
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -104,6 +109,7 @@ class TokenThroughputMonitor(pl.Callback):
         self._batch_start: float | None = None  # None: the clock is paused until the next training batch starts
         self._data: DataContract | None = None  # what the data publishes (the summary's data rows)
         self._first_step = 0  # the global step this launch started from (> 0: resumed from a checkpoint)
+        self._sampled = 0.0  # the on-policy sampling seconds already left out of `train_seconds`
 
     def connect_data(self, data: DataContract) -> None:
         """The data's contract (`lit_packing.contract`): its tokenization report ends the fit summary."""
@@ -132,6 +138,7 @@ class TokenThroughputMonitor(pl.Callback):
     ) -> None:
         if self._batch_start is None:
             self._batch_start = time.perf_counter()
+            self._sampled = _sampling_seconds(batch)  # sampled while the clock was paused: not counted either
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -144,7 +151,9 @@ class TokenThroughputMonitor(pl.Callback):
         if self._shape:
             counts["flops"] = model_flops(self._shape, batch[COUNTS], batch[LENGTHS], batch.get(KEY_LENGTHS))
             counts["hardware_flops"] = hardware_flops(self._shape, batch[COUNTS])
-        self.train_seconds += now - self._batch_start
+        sampled = _sampling_seconds(batch)  # on-policy rollouts sampled since the last batch: not training time
+        self.train_seconds += now - self._batch_start - (sampled - self._sampled)
+        self._sampled = sampled
         self._batch_start = now
         self.totals.update(counts)
         self._recent.append((self.train_seconds, counts))

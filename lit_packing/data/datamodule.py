@@ -54,6 +54,7 @@ from lit_packing.data.global_batch import (
 )
 from lit_packing.data.groups import GroupCollator
 from lit_packing.data.mixture import Mixture
+from lit_packing.data.on_policy import OnPolicyFeed, OnPolicyRollouts
 from lit_packing.data.packaged import ChampChats
 from lit_packing.data.report import TokenizationReport
 from lit_packing.data.sources import Source
@@ -177,7 +178,10 @@ class PackingDataModule(LightningDataModule):
         self.declared = self._probe("sampler", sampler)  # the training sampler on no data: its declared step size
         if val_sampler is not None:
             self._probe("val_sampler", val_sampler)
-        self.feed: Feed = (StreamFeed if self.streaming else CachedFeed)(self._feed_settings())
+        if isinstance(self.source, OnPolicyRollouts) and self.streaming:
+            raise ConfigError("data.streaming", "on-policy rollouts are sampled, not read", "set it to false")
+        feed = OnPolicyFeed if isinstance(self.source, OnPolicyRollouts) else StreamFeed if self.streaming else CachedFeed
+        self.feed: Feed = feed(self._feed_settings())
         self._tokenizer = None
         self.contract: DataContract | None = None  # published by `setup`
         self.model_contract: ModelContract | None = None  # what the model publishes (`connect_model`)

@@ -12,12 +12,14 @@ so the result lives in Arrow files that later `.map` calls cache next to. In YAM
     HumanEval        prompt_completion  164 Python signatures + docstrings -> canonical bodies
     StateOfTheUnion  text               State of the Union addresses, by paragraph or whole speech
     ArithmeticRollouts  group           48 one-digit sums, 8 sampled answers each with log-probs and rewards
+    ArithmeticPrompts   prompt + answer seeded sums of small numbers: the prompts of an on-policy GRPO run
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import random
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -261,3 +263,33 @@ class ArithmeticRollouts(HFDataset):
 
     def __repr__(self) -> str:
         return "ArithmeticRollouts()"
+
+
+def _sums(n: int, digits: int, seed: int) -> Iterator[dict]:
+    rng = random.Random(seed)
+    low, high = 10 ** (digits - 1) if digits > 1 else 1, 10**digits - 1
+    for _ in range(n):
+        a, b = rng.randint(low, high), rng.randint(low, high)
+        yield {"prompt": f"What is {a} + {b}?", "answer": a + b}
+
+
+class ArithmeticPrompts(Source):
+    """Prompts with a checkable answer, for on-policy RL (`lit_packing.data.OnPolicyRollouts`): `n` seeded sums of
+    two numbers of `digits` digits ("What is 4 + 7?"), column `prompt` (one user turn) and `answer` (an int, handed
+    to the reward functions: `lit_packing.models.rollouts.final_number` checks a completion's last number).
+
+    Args:
+        n: how many sums.
+        digits: digits of each addend (1: 1-9).
+        seed: which sums.
+    """
+
+    def __init__(self, n: int = 512, digits: int = 1, seed: int = 0) -> None:
+        for name, value in (("n", n), ("digits", digits)):
+            if value < 1:
+                raise ConfigError(f"data.source.init_args.prompts.init_args.{name}", f"{value} is below 1", "use 1 or more")
+        self.n, self.digits, self.seed = n, digits, seed
+
+    def load(self, cache_dir: str | None = None) -> datasets.Dataset:
+        features = Features({"prompt": Value("string"), "answer": Value("int64")})
+        return self._from_generator(_sums, features, cache_dir, n=self.n, digits=self.digits, seed=self.seed)

@@ -1,0 +1,435 @@
+"""On-policy rollouts: the policy being trained answers the prompts, reward functions score the answers, and the
+scored groups train it, round after round, packed as stored rollout groups are.
+
+    data:
+      source:
+        class_path: lit_packing.data.OnPolicyRollouts
+        init_args:
+          prompts: {class_path: lit_packing.data.ArithmeticPrompts}   # any source with a `prompt` column
+          group_size: 8                                               # completions per prompt (G)
+          prompts_per_round: 8                                        # prompts each round samples, over all ranks
+          reward_funcs: [lit_packing.models.rollouts.final_number]    # (prompts, completions, **columns) -> floats
+
+A round: the next `prompts_per_round` prompts (a seeded permutation of the prompt source, epoch after epoch), each
+data-parallel rank sampling its share with `generate` (`models.rollouts.sample_groups`: G completions per prompt and
+the sampler's log-probs of every token), scored by the sum of the reward functions (each called with the prompts,
+the completion texts and the prompt source's other columns, as TRL calls them); the groups gathered from every rank,
+written by rank 0 to `<run folder>/rollouts/round_<k>.jsonl` (a stored-rollouts file: `HFDataset` of it trains the
+same groups), tokenized and planned by the configured sampler as one dataset, and trained `iterations` times (each
+pass a new plan; the stored log-probs are the behaviour policy's, so later passes clip). Then the next round samples
+from the updated policy. Every round is whole optimizer steps (the last completed with empty packs).
+
+Generation runs between optimizer steps, in the training process, with the model in eval mode and its own random
+stream (the training's is untouched); the round's rollout metrics (`rollout/round`, `rollout/reward`,
+`rollout/generation_s`, `rollout/generated_tokens_per_s`) are logged at each of its steps, and training's effective tokens/s counts
+the training steps only. A checkpoint keeps the round and the micro-batch inside it: a resume reads the round's file
+back and samples the next rounds from the restored policy, as the uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import datasets
+import numpy as np
+import torch
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+from lit_packing._compat import data_parallel
+from lit_packing.batch import ROUND, StepShape
+from lit_packing.contract import DataContract
+from lit_packing.data.feed import Feed, SamplerBuilder
+from lit_packing.data.report import TokenizationReport
+from lit_packing.data.sources import Source
+from lit_packing.data.tokenize import TokenizedDataset, tokenize_dataset
+from lit_packing.errors import ConfigError, DataError, check_range
+from lit_packing.samplers import PlannedBatchSampler
+from lit_packing.samplers.base import Pack
+from lit_packing.samplers.base import worst_pack as worst_pack_of
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+_SETTING = "data.source.init_args"
+
+
+def import_reward(path: str) -> Callable[..., list[float]]:
+    """The reward function at `path` (`package.module.function`), or a `ConfigError` naming it."""
+    module, _, name = path.rpartition(".")
+    try:
+        function = getattr(importlib.import_module(module), name) if module else None
+    except (ImportError, AttributeError):
+        function = None
+    if not callable(function):
+        raise ConfigError(f"{_SETTING}.reward_funcs", f"{path!r} is not an importable function",
+                          "give its import path, e.g. lit_packing.models.rollouts.final_number")  # fmt: skip
+    return function
+
+
+class OnPolicyRollouts(Source):
+    """Rollout groups sampled from the policy during the fit (see the module docstring).
+
+    Args:
+        prompts: the prompts: a source with a `prompt` column (a text, one user turn, or chat messages); its other
+            columns go to the reward functions.
+        group_size: completions per prompt (G).
+        prompts_per_round: prompts sampled each round, over all data-parallel ranks.
+        max_new_tokens: the generation limit of a completion (sampled at temperature 1, no top-k / top-p cut: the
+            stored log-probs are the policy's own).
+        reward_funcs: import paths of reward functions, `(prompts, completions, **columns) -> list[float]`; a
+            completion's reward is their sum.
+        iterations: passes over each round's groups before the next round (TRL's `num_iterations`).
+        generation_batch: prompts per `generate` call (x G sequences).
+        seed: the prompts' order and the sampling.
+    """
+
+    def __init__(
+        self,
+        prompts: Source | None = None,
+        group_size: int = 8,
+        prompts_per_round: int = 8,
+        max_new_tokens: int = 64,
+        reward_funcs: list[str] | None = None,
+        iterations: int = 1,
+        generation_batch: int = 8,
+        seed: int = 0,
+    ) -> None:
+        from lit_packing.data.packaged import ArithmeticPrompts
+
+        for name, value, low in (("group_size", group_size, 2), ("prompts_per_round", prompts_per_round, 1),
+                                 ("max_new_tokens", max_new_tokens, 1), ("iterations", iterations, 1),
+                                 ("generation_batch", generation_batch, 1)):  # fmt: skip
+            check_range(f"{_SETTING}.{name}", value, low)
+        self.prompts = prompts if prompts is not None else ArithmeticPrompts()
+        self.group_size = group_size
+        self.prompts_per_round = prompts_per_round
+        self.max_new_tokens = max_new_tokens
+        self.reward_funcs = list(reward_funcs or ["lit_packing.models.rollouts.final_number"])
+        for path in self.reward_funcs:
+            import_reward(path)
+        self.iterations = iterations
+        self.generation_batch = generation_batch
+        self.seed = seed
+
+    @property
+    def fingerprint(self) -> str:
+        return f"{type(self).__name__}-{self.prompts.fingerprint}"
+
+    def load(self, cache_dir: str | None = None) -> datasets.Dataset:
+        """The prompts (their source's `train` split where it has splits), checked for a `prompt` column."""
+        loaded = self.prompts.load(cache_dir)
+        if isinstance(loaded, datasets.DatasetDict):
+            loaded = loaded["train"]
+        if "prompt" not in loaded.column_names:
+            raise ConfigError(f"{_SETTING}.prompts", f"{self.prompts!r} has no 'prompt' column "
+                              f"(columns: {', '.join(loaded.column_names)})", "map one with its field_map")  # fmt: skip
+        return loaded
+
+    def row_name(self, row: int) -> str:
+        return self.prompts.row_name(row)
+
+
+class OnPolicyFeed(Feed):
+    """The feed of `OnPolicyRollouts`: the prompts loaded once, the groups made round by round (`RoundLoader`)."""
+
+    def __init__(self, settings) -> None:
+        super().__init__(settings)
+        self.prompts: datasets.Dataset | None = None
+
+    @property
+    def source(self) -> OnPolicyRollouts:
+        return self.settings.source
+
+    def prepare(self, tokenizer: Any) -> None:
+        self.source.load(self.settings.cache_dir)
+
+    def publish(self, stage: str | None, tokenizer: Any, trainer: pl.Trainer | None) -> DataContract:
+        self.prompts = self.source.load(self.settings.cache_dir)
+        if self.settings.limit is not None:
+            self.prompts = self.prompts.select(range(min(self.settings.limit, len(self.prompts))))
+        if self.settings.val_split:
+            log.info("data.val_split=%s is not used: on-policy rounds hold nothing out (train/reward and "
+                     "rollout/reward say how the policy does)", self.settings.val_split)  # fmt: skip
+        if not len(self.prompts):
+            raise DataError(f"{self.source.prompts!r} holds no prompts: check {_SETTING}.prompts")
+        self.report = TokenizationReport()  # every round's groups, as they are tokenized
+        log.info("%r: on-policy rollouts from %s prompts, %s completions each, %s prompts a round",
+                 self.source.prompts, f"{len(self.prompts):,}", self.source.group_size,
+                 self.source.prompts_per_round)  # fmt: skip
+        return DataContract(
+            tokenizer=tokenizer,
+            token_id_range=(0, len(tokenizer) - 1),  # what the policy can sample: nothing is sampled yet
+            name_rows=lambda indices: "; ".join(f"group {int(i):,} of its round" for i in indices),
+            largest_step=functools.partial(self.largest_step, tokenizer),
+            report=self.report,
+        )
+
+    def train_loader(self, build: SamplerBuilder, tokenizer: Any, trainer: pl.Trainer | None) -> RoundLoader:
+        if trainer is None:
+            raise ConfigError("data.source", "on-policy rollouts are sampled by the model a fit trains",
+                              "train with Trainer.fit (main.py fit)")  # fmt: skip
+        if trainer.max_steps is None or trainer.max_steps < 0:
+            raise ConfigError("trainer.max_steps", "on-policy rounds go on as long as the fit does",
+                              "set the number of optimizer steps to train")  # fmt: skip
+        if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
+            raise ConfigError("trainer.strategy", f"on-policy rollouts are sampled by the whole policy on each rank; "
+                              f"{type(trainer.strategy).__name__} shards it (sharded sampling is not built yet)",
+                              "use ddp (or one device), or train on stored rollouts")  # fmt: skip
+        if self.settings.num_workers:
+            raise ConfigError("data.num_workers", "on-policy rounds are sampled in the training process",
+                              "set it to 0")  # fmt: skip
+        self.sampler = RoundLoader(self, build, tokenizer, trainer)
+        self._apply_position()
+        return self.sampler
+
+    def largest_step(self, tokenizer: Any) -> StepShape | None:
+        """The worst a round can plan: groups of `data.max_length` tokens in the sampler's declared `max_tokens`."""
+        budget = self.settings.declared_max_tokens
+        if self.sampler is None or not isinstance(budget, int):
+            return None
+        pack = worst_pack_of(0, min(self.settings.max_length, budget), budget)
+        return self.collate(tokenizer).plan_slots(pack).largest()
+
+    def position(self, trained: int | None) -> dict[str, Any]:
+        return self.sampler.state_dict(trained)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if isinstance(self.sampler, RoundLoader):
+            self.sampler.trained()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        stats = batch.get(ROUND, {}).get("stats") if isinstance(batch, dict) else None
+        for name, value in (stats or {}).items():
+            pl_module.log(f"rollout/{name}", float(value), on_step=True, on_epoch=False, batch_size=1)
+
+
+class RoundLoader:
+    """The training loader of on-policy rollouts: an endless iterable of collated micro-batches, round after round,
+    with the position a checkpoint keeps (`state_dict(steps_done)` / `load_state_dict`)."""
+
+    def __init__(self, feed: OnPolicyFeed, build: SamplerBuilder, tokenizer: Any, trainer: pl.Trainer) -> None:
+        self.feed, self.build, self.tokenizer, self.trainer = feed, build, tokenizer, trainer
+        self.source = feed.source
+        self.collate = feed.collate(tokenizer)
+        self.batch_sampler = self  # where Lightning's `set_epoch` reaches this loader
+        self._starts: dict[int, int] = {}  # round -> its first micro-batch in the fit's count
+        self._resume: dict[str, Any] | None = None
+        self.clock = {"sampling_s": 0.0}  # this rank's seconds spent sampling, read by the throughput callback
+        self._sampled: tuple[int, tuple[list[dict], dict]] | None = None  # the last round sampled
+        self.resumed_at: int | None = None
+        self.restored: str | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Rounds go on across Lightning's epochs: nothing to do."""
+
+    def __len__(self) -> int:
+        raise TypeError("on-policy rounds go on as long as the fit does (trainer.max_steps)")
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.trainer.default_root_dir) / "rollouts"
+
+    def round_file(self, number: int) -> Path:
+        return self.folder / f"round_{number:06d}.jsonl"
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        resume = self._resume  # kept until a step trains: Lightning may start an iterator, then start another
+        number, start, inside = (0, 0, 0) if resume is None else (resume["round"], resume["start"], resume["inside"])
+        return self._batches(number, start, inside, resume is not None)
+
+    def _batches(self, number: int, start: int, inside: int, resumed: bool) -> Iterator[dict[str, Any]]:
+        accumulate = self.trainer.accumulate_grad_batches
+        while start // accumulate < self.trainer.max_steps:  # no round is sampled that no step would train
+            first: dict[str, Any] | None = None
+            if resumed:
+                rows = self._read(number)
+                stats = {"round": number, "reward": float(np.mean([r for row in rows for r in row["rewards"]]))}
+                resumed = False
+            else:
+                # Lightning fetches one batch ahead: the round's first batch is handed out empty and filled in
+                # place when the loop fetches the batch after it, that is once the step before it has updated
+                # the policy, which then samples the round.
+                first = {}
+                yield first
+                rows, stats = self._sample(number)
+            dataset = self._tokenize(rows, number)
+            self._starts = {**{k: v for k, v in self._starts.items() if k >= number - 2}, number: start}
+            for iteration in range(self.source.iterations):
+                sampler = self.build(dataset.lengths, dataset.count_labels)
+                if not isinstance(sampler, PlannedBatchSampler):
+                    raise ConfigError("data.sampler", f"{sampler!r} has no plan to train rounds with",
+                                      "use a lit_packing sampler")  # fmt: skip
+                sampler.set_epoch((number << 16) | iteration)  # a distinct plan for every pass of every round
+                packs = list(sampler)
+                total = -(-len(packs) // accumulate) * accumulate  # the last step completed with empty packs
+                packs += [Pack([], step=packs[-1].step if packs else None)] * (total - len(packs))
+                for pack in packs[inside:]:
+                    batch = self._collate(dataset, pack, number, stats)
+                    if first is not None:
+                        first.update(batch)
+                        first = None
+                    else:
+                        yield batch
+                inside = max(inside - total, 0)
+                start += total
+            number += 1
+
+    def _collate(self, dataset: TokenizedDataset, pack: Pack, number: int, stats: dict | None) -> dict[str, Any]:
+        batch = self.collate(Pack([dataset[key] for key in pack], step=pack.step))
+        batch[ROUND] = {"number": number, "stats": stats, "clock": self.clock}
+        return batch
+
+    # ------------------------------------------------------------ one round
+
+    def _prompts(self, number: int) -> list[int]:
+        """The rows of round `number`'s prompts: positions of a seeded permutation of the prompts, epoch on epoch."""
+        n, size = len(self.feed.prompts), self.source.prompts_per_round
+        rows = []
+        for position in range(number * size, (number + 1) * size):
+            epoch, at = divmod(position, n)
+            rows.append(int(np.random.default_rng([self.source.seed, epoch]).permutation(n)[at]))
+        return rows
+
+    def _sample(self, number: int) -> tuple[list[dict], dict[str, float]]:
+        """Round `number`'s groups: this rank's share of its prompts sampled and scored, every rank's gathered."""
+        from lit_packing.models.rollouts import sample_groups
+
+        if self._sampled is not None and self._sampled[0] == number:  # Lightning restarted its iterator: no resample
+            return self._sampled[1]
+        rank, world = data_parallel(self.trainer)
+        rows = self._prompts(number)
+        mine = rows[rank::world]
+        model = self.trainer.lightning_module.model
+        source = self.source
+        began = time.perf_counter()
+        groups: list[dict] = []
+        if mine:
+            prompts = self.feed.prompts.select(mine)
+            columns = {name: prompts[name] for name in prompts.column_names if name != "prompt"}
+            device = next(model.parameters()).device
+            was_training = model.training
+            model.eval()
+            try:
+                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                    groups = sample_groups(
+                        model, self.tokenizer, prompts["prompt"], source.group_size, source.max_new_tokens,
+                        seed=source.seed * 1_000_003 + number * 1_009 + rank,
+                        batch_prompts=source.generation_batch,
+                    )  # fmt: skip
+            finally:
+                model.train(was_training)
+            seconds = time.perf_counter() - began
+            self.clock["sampling_s"] += seconds
+            self._sum_rewards(groups, columns)
+            for k, (group, row) in enumerate(zip(groups, mine)):
+                group["prompt_row"] = row
+                group.update({name: values[k] for name, values in columns.items()})
+        else:
+            seconds = 0.0
+        generated = sum(len(c) for g in groups for c in g["completions"])
+        gathered = _gather(groups, world)
+        gathered.sort(key=lambda g: rows.index(g["prompt_row"]))
+        out = [_row(group) for group in gathered]
+        if self.trainer.is_global_zero:
+            self._write(number, out)
+        rewards = [r for row in out for r in row["rewards"]]
+        stats = {"round": number, "reward": float(np.mean(rewards)), "generation_s": seconds,
+                 "generated_tokens_per_s": generated / max(seconds, 1e-9)}  # fmt: skip
+        self._sampled = number, (out, stats)
+        return out, stats
+
+    def _sum_rewards(self, groups: list[dict], columns: dict[str, list]) -> None:
+        """Each completion's reward: the sum of every reward function's."""
+        from lit_packing.models.rollouts import score_groups
+
+        totals = None
+        for path in self.source.reward_funcs:
+            score_groups(groups, import_reward(path), **columns)
+            scores = [group["rewards"] for group in groups]
+            totals = scores if totals is None else [[a + b for a, b in zip(t, s)] for t, s in zip(totals, scores)]
+        for group, total in zip(groups, totals or []):
+            group["rewards"] = total
+
+    def _write(self, number: int, rows: list[dict]) -> None:
+        """Round `number`'s groups as a stored-rollouts file, written whole or not at all."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.round_file(number)
+        partial = path.with_suffix(".partial")
+        with open(partial, "w") as file:
+            for row in rows:
+                file.write(json.dumps(row) + "\n")
+        os.replace(partial, path)
+
+    def _read(self, number: int) -> list[dict]:
+        path = self.round_file(number)
+        if not path.exists():
+            raise DataError(f"resuming inside on-policy round {number}, whose rollouts {path} are gone: resume with "
+                            "the run's folder as it was written (trainer.default_root_dir)")  # fmt: skip
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def _tokenize(self, rows: list[dict], number: int) -> TokenizedDataset:
+        settings = self.feed.settings
+        raw = datasets.Dataset.from_list(rows)
+        tokenized, report = tokenize_dataset(
+            raw, self.tokenizer, settings.max_length, settings.overlong, settings.train_on,
+            on_bad_row=settings.on_bad_row, row_name=lambda r: f"group {r:,} of {self.round_file(number)}",
+        )  # fmt: skip
+        self.feed.report.update(report)
+        return TokenizedDataset(tokenized)
+
+    # ------------------------------------------------------------ resume
+
+    def trained(self) -> None:
+        """A step trained: a restored position is behind, a new iterator starts where the fit is."""
+        self._resume = None
+
+    def state_dict(self, steps_done: int | None = None) -> dict[str, Any]:
+        """The trained position: the round holding micro-batch `steps_done` (Lightning's count) and how far in."""
+        if steps_done is None:
+            return {}
+        if self._resume is not None:  # restored, nothing yielded yet: the same position
+            return self._resume
+        number = max((k for k, begin in self._starts.items() if begin <= steps_done), default=0)
+        begin = self._starts.get(number, 0)
+        world, accumulate = data_parallel(self.trainer).size, self.trainer.accumulate_grad_batches
+        return {"on_policy": True, "round": number, "start": begin, "inside": steps_done - begin,
+                "world_size": world, "accumulate": accumulate}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        if not state.get("on_policy"):
+            raise ConfigError("data.source", "the checkpoint's data position is not an on-policy run's",
+                              "resume with the data it was saved with, or start a new run")  # fmt: skip
+        layout = (data_parallel(self.trainer).size, self.trainer.accumulate_grad_batches)
+        if (state["world_size"], state["accumulate"]) != layout:
+            raise ConfigError("trainer.devices", f"an on-policy round was planned for {state['world_size']} ranks "
+                              f"x {state['accumulate']} micro-batches a step, this run has {layout[0]} x {layout[1]}",
+                              "resume on the same layout")  # fmt: skip
+        self._resume = dict(state)
+        self.resumed_at = int(state["start"]) + int(state["inside"])
+        self.restored = f"on-policy round {state['round']:,}, micro-batch {state['inside']:,} of it"
+
+
+def _gather(groups: list[dict], world: int) -> list[dict]:
+    """Every rank's groups, on every rank (one object collective that every rank reaches at each round)."""
+    if world == 1 or not torch.distributed.is_initialized():
+        return list(groups)
+    gathered: list[list[dict] | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, groups)
+    return [group for part in gathered for group in (part or [])]
+
+
+def _row(group: dict) -> dict:
+    """A sampled group as a stored-rollouts row (what `HFDataset` reads back), its prompt's row kept as `prompt_row`."""
+    return {k: v for k, v in group.items() if k != "texts"}

@@ -1,0 +1,130 @@
+"""On-policy rollouts (`data/on_policy.py`) through the real CLI on a tiny random Llama: each round sampled by the
+policy being trained, scored by reward functions given as import paths, written as a stored-rollouts file, trained
+`iterations` times; a stored round replays to the very losses the on-policy run trained; a run stopped between
+rounds resumes to the uninterrupted run's losses and rollouts; the round's rows name their prompt's answer; the packaged prompts are the ones the packaged rollouts answer."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+
+from lit_packing.cli import cli_main
+from lit_packing.data import ArithmeticPrompts, ArithmeticRollouts, OnPolicyRollouts
+from lit_packing.errors import ConfigError
+from tests.cli.test_configs import saved_tiny
+
+
+def length_reward(prompts: list, completions: list[str], answer: list, **columns) -> list[float]:
+    """A reward a random model's answers vary in: the completion's length in characters, mod 5 (the answer column
+    arrives, as the prompt source holds it)."""
+    assert len(answer) == len(completions) and all(isinstance(a, int) for a in answer)
+    return [float(len(text) % 5) for text in completions]
+
+
+def bonus(prompts: list, completions: list[str], **columns) -> list[float]:
+    """A second reward function: 0.5 for each completion (rewards are summed over the functions)."""
+    return [0.5] * len(completions)
+
+
+COMMON = [
+    "--model.objective=lit_packing.models.GRPO",
+    "--model.objective.init_args.epsilon_high=0.28",
+    "--model.lr=1e-2",  # large: the second pass over a round sees a changed policy (ratios != 1, clipped)
+    "--model.scheduler=constant",
+    "--data.collator=lit_packing.data.GroupCollator",
+    "--data.sampler=lit_packing.samplers.BestFitPackingSampler",
+    "--data.sampler.init_args.max_tokens=1024",
+    "--data.max_length=512",
+    "--data.overlong=drop",
+    "--data.val_split=0",
+    "--trainer.accelerator=cpu",
+    "--trainer.devices=1",
+    "--trainer.precision=32-true",
+    "--trainer.num_sanity_val_steps=0",
+    "--trainer.log_every_n_steps=1",
+    "--seed_everything=0",
+]
+
+
+def fit(tmp_path: Path, name: str, model: Path, source: list[str], steps: int, *more: str):
+    """A fit in its own run folder under tmp_path; the folder and its logged steps (this launch's)."""
+    cli = cli_main(["fit", f"--model.name_or_path={model}", *COMMON, *source, f"--trainer.max_steps={steps}",
+                    f"--trainer.default_root_dir={tmp_path}", f"--run_name={name}", *more])  # fmt: skip
+    assert cli.trainer.global_step == steps
+    folder = Path(cli.trainer.default_root_dir)
+    csv_dir = next(logger.log_dir for logger in cli.trainer.loggers if isinstance(logger, CSVLogger))
+    with open(Path(csv_dir) / "metrics.csv") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("train/loss")]
+    return folder, rows
+
+
+@pytest.mark.slow  # four fits (~60 s)
+def test_on_policy_rounds_train_and_replay_as_stored_rollouts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = saved_tiny(tmp_path)
+    on_policy = [
+        "--data.source=lit_packing.data.OnPolicyRollouts",
+        "--data.source.init_args.prompts=lit_packing.data.ArithmeticPrompts",
+        "--data.source.init_args.group_size=4",
+        "--data.source.init_args.prompts_per_round=2",
+        "--data.source.init_args.max_new_tokens=8",
+        f"--data.source.init_args.reward_funcs=[{__name__}.length_reward, {__name__}.bonus]",
+        "--data.source.init_args.iterations=2",
+    ]
+    root, rows = fit(tmp_path, "on_policy", model, on_policy, steps=4)
+    files = sorted((root / "rollouts").glob("*.jsonl"))
+    assert [f.name for f in files] == ["round_000000.jsonl", "round_000001.jsonl"]  # 2 passes of 1 step a round
+    prompts = ArithmeticPrompts().load()
+    for path in files:
+        groups = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(groups) == 2 and all(len(g["completions"]) == 4 == len(g["rewards"]) for g in groups)
+        for group in groups:
+            assert group["answer"] == prompts[group["prompt_row"]]["answer"]
+            assert group["prompt"] == prompts[group["prompt_row"]]["prompt"]
+            for ids, logps, reward in zip(group["completions"], group["behaviour_logps"], group["rewards"]):
+                assert 1 <= len(ids) <= 8 and len(logps) == len(ids)
+                assert reward - 0.5 in (0.0, 1.0, 2.0, 3.0, 4.0)  # length_reward + bonus
+    assert len({g["prompt_row"] for path in files for g in map(json.loads, path.read_text().splitlines())}) == 4
+    logged = {key for row in rows for key, value in row.items() if value}
+    assert {"train/reward", "train/advantage", "train/entropy", "train/completion_length", "rollout/reward",
+            "rollout/generation_s", "rollout/generated_tokens_per_s", "train/clip_ratio/region_mean"} <= logged
+    assert [row["rollout/round"] for row in rows] == ["0.0", "0.0", "1.0", "1.0"]  # each step names its round
+    assert float(rows[1]["train/clip_ratio/region_mean"]) > 0  # the second pass: the policy moved, ratios clip
+
+    # The first round's file, stored rollouts now: 2 epochs over it train the on-policy run's first 2 steps.
+    stored = ["--data.source=lit_packing.data.HFDataset", f"--data.source.init_args.path={files[0]}",
+              "--trainer.max_epochs=2"]  # fmt: skip
+    _, replayed = fit(tmp_path, "replay", model, stored, steps=2)
+    compared = ("train/loss", "train/reward", "train/advantage", "train/clip_ratio/region_mean", "train/entropy")
+    for name in compared:
+        assert [float(r[name]) for r in replayed] == pytest.approx([float(r[name]) for r in rows[:2]], rel=1e-6)
+
+    # Stopped after the first round, resumed: the second round is sampled from the restored policy as it was.
+    first, _ = fit(tmp_path, "resumed", model, on_policy, 2)
+    assert [f.name for f in (first / "rollouts").glob("*.jsonl")] == ["round_000000.jsonl"]
+    again, resumed = fit(tmp_path, "resumed", model, on_policy, 4, "--ckpt_path=last")
+    assert again == first
+    for name in (*compared, "rollout/reward"):
+        assert [float(r[name]) for r in resumed] == pytest.approx([float(r[name]) for r in rows[2:]], rel=1e-6)
+    assert (first / "rollouts" / files[1].name).read_text() == files[1].read_text()
+
+
+def test_the_packaged_prompts_are_the_packaged_rollouts_questions():
+    stored = [json.loads(line) for line in Path(ArithmeticRollouts().path).read_text().splitlines()]
+    prompts = ArithmeticPrompts(n=len(stored)).load()
+    assert prompts["prompt"] == [row["prompt"] for row in stored]
+    assert prompts["answer"] == [row["answer"] for row in stored]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [({"reward_funcs": ["no.such.reward"]}, "reward_funcs"), ({"group_size": 1}, "group_size"),
+     ({"iterations": 0}, "iterations")],
+)  # fmt: skip
+def test_bad_settings_are_named(kwargs, named):
+    with pytest.raises(ConfigError, match=named):
+        OnPolicyRollouts(**kwargs)
