@@ -37,8 +37,8 @@ INDEX = "index"  # an example's row in the source dataset (a column of the token
 SOURCE_TOKENS = "source_tokens"  # host list of a streamed batch: real tokens of each of the stream's sources in it
 KEY_LENGTHS = "key_lengths"  # host list beside `lengths` when prompts are shared: the keys each segment attends
 WINDOW = "window"  # host dict of a streamed batch: its window's number, examples, fill, data wait so far
-# host dict of an on-policy batch (`data.on_policy`): its round's number and rollout stats,
-# and `clock`, the rank's seconds spent sampling so far (not training time)
+# host dict of an on-policy batch (`data.on_policy`): its round's number and rollout stats, `on_policy` (the round's
+# first step: trained by the policy that sampled it), and `clock`, the rank's seconds spent sampling so far
 ROUND = "round"
 PACKED_KEYS = (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, SEQ_IDX)
 # Which keys each segment of `cu_seq_lens_q` attends, in the two layouts (`cu_seq_lens_k` / `max_length_k` describe

@@ -273,8 +273,9 @@ class RoundLoader:
                 packs = list(sampler)
                 total = -(-len(packs) // accumulate) * accumulate  # the last step completed with empty packs
                 packs += [Pack([], step=packs[-1].step if packs else None)] * (total - len(packs))
-                for pack in packs[inside:]:
-                    batch = self._collate(dataset, pack, number, stats)
+                for position in range(inside, len(packs)):
+                    fresh = not iteration and position < accumulate  # the round's first step: the policy that sampled
+                    batch = self._collate(dataset, packs[position], number, stats, fresh)
                     if first is not None:
                         first.update(batch)
                         first = None
@@ -284,9 +285,9 @@ class RoundLoader:
                 start += total
             number += 1
 
-    def _collate(self, dataset: TokenizedDataset, pack: Pack, number: int, stats: dict | None) -> dict[str, Any]:
+    def _collate(self, dataset: TokenizedDataset, pack: Pack, number: int, stats: dict, fresh: bool) -> dict[str, Any]:
         batch = self.collate(Pack([dataset[key] for key in pack], step=pack.step))
-        batch[ROUND] = {"number": number, "stats": stats, "clock": self.clock}
+        batch[ROUND] = {"number": number, "stats": stats, "clock": self.clock, "on_policy": fresh}
         return batch
 
     # ------------------------------------------------------------ one round

@@ -424,9 +424,13 @@ class PackedCausalLM(LightningModule):
             return
         totals = trainer.strategy.reduce(totals, reduce_op="sum")
         self.log("train/loss", totals[0] / totals[1].clamp_min(1), prog_bar=True, on_step=True, on_epoch=False)
+        means = {}
         for k, name in enumerate(self._metric_names):  # the objective's metrics: (sum, count) each
             total, count = totals[2 + 2 * k], totals[3 + 2 * k]
-            self.log(f"train/{name}", total / count.clamp_min(1), on_step=True, on_epoch=False)
+            if count > 0:  # a metric of some steps only (an on-policy round's first) is logged on those
+                means[name] = total / count
+                self.log(f"train/{name}", means[name], on_step=True, on_epoch=False)
+        self.objective.check_step(self, {name: float(value) for name, value in means.items()})
 
     def configure_gradient_clipping(
         self,

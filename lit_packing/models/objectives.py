@@ -15,13 +15,14 @@ before the step, so the split of a step into micro-batches and ranks never chang
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from lit_packing.batch import ADVANTAGES, BEHAVIOUR_LOGPS, COMPLETIONS, GROUPS, LABELS, PAIRS, REWARDS
-from lit_packing.errors import ConfigError
+from lit_packing.batch import ADVANTAGES, BEHAVIOUR_LOGPS, COMPLETIONS, GROUPS, LABELS, PAIRS, REWARDS, ROUND
+from lit_packing.errors import ConfigError, TrainingError
 from lit_packing.models.grpo import GRPOSettings, completion_logps, group_advantages, grpo_loss
 from lit_packing.models.loss import LossNormalization, LossParts, causal_lm_loss, eval_sums
 from lit_packing.models.preference import (
@@ -33,7 +34,9 @@ from lit_packing.models.preference import (
 )
 from lit_packing.models.reference import reference_forward, reference_logps
 
-REFERENCES = ("precomputed", "copy", "lora")  # model.reference: where an objective takes reference log-probs from
+REFERENCES = ("precomputed", "copy", "lora")
+FULL_PRECISION = ("32-true", "64-true", "32", "64")  # where the sampler's and the trainer's log-probs agree to rounding
+SAMPLER_TOLERANCE = 1e-3  # the largest mean |log-prob difference| per token on an on-policy round's first step  # model.reference: where an objective takes reference log-probs from
 
 
 class Objective:
@@ -73,6 +76,10 @@ class Objective:
     def evaluate(self, lm, batch: Mapping[str, Any], stage: str) -> tuple[torch.Tensor, ...]:
         """Validation sums of a batch: (loss sum, count, correct), summed over steps and ranks by `EvalTotals`."""
         raise NotImplementedError
+
+    def check_step(self, lm, metrics: Mapping[str, float]) -> None:
+        """Stop the run where a step's metrics (means over the step's micro-batches and ranks, the same on every
+        rank) show it cannot be trained as it should: nothing to check by default."""
 
 
 # What each objective trains, by the batch key its collator writes, and the settings that give it.
@@ -182,7 +189,8 @@ class GRPO(Objective):
         self.needs_reference = beta > 0
 
     def parts(self, lm, batch):
-        """The loss parts of a group batch and the completions' advantages."""
+        """The loss parts of a group batch, the completions' advantages, and the policy's distance from the sampler
+        on an on-policy round's first step (`check_step`)."""
         check_batch(self, batch, COMPLETIONS)
         policy = completion_logps(lm.loss_outputs(batch), batch)
         device = policy.logps.device
@@ -194,21 +202,45 @@ class GRPO(Objective):
         reference = None
         if self.needs_reference:
             reference = reference_forward(lm, batch, lambda outputs, b: completion_logps(outputs, b).logps)
-        return grpo_loss(policy, advantages, self.settings, behaviour, reference), advantages
+        parts = grpo_loss(policy, advantages, self.settings, behaviour, reference)
+        # On the first step of an on-policy round the policy that sampled trains: its log-probs must be the
+        # sampler's (ratio 1). (sum |difference|, tokens) there, (0, 0) elsewhere: every micro-batch has the metric.
+        zero = policy.logps.new_zeros((), dtype=torch.float64)
+        mismatch = (zero, zero)
+        if behaviour is not None and batch.get(ROUND, {}).get("on_policy"):
+            difference = (policy.logps.detach() - behaviour.to(policy.logps)).abs().double()
+            mismatch = (difference.sum(), zero + len(difference))
+        return parts, advantages, mismatch
 
     def loss(self, lm, batch):
-        parts, advantages = self.parts(lm, batch)
+        parts, advantages, mismatch = self.parts(lm, batch)
         metrics = dict(parts.metrics)
         completions = parts.metrics["completion_length"][1]
         if REWARDS in batch:
             metrics["reward"] = (batch[REWARDS].to(completions.device).double().sum(), completions)
         metrics["advantage"] = (advantages.detach().double().sum(), completions)
+        metrics["sampler_logp_diff"] = mismatch
         loss = parts.loss_sum
         return LossParts(loss, parts.units, loss.detach(), parts.units.detach()), metrics
 
     def evaluate(self, lm, batch, stage):
-        parts, _ = self.parts(lm, batch)
+        parts, _, _ = self.parts(lm, batch)
         return parts.loss_sum, parts.units, parts.units.new_zeros(())
+
+    def check_step(self, lm, metrics):
+        """The first-step self-test of on-policy rounds: where the round's sampler trains (fp32 or fp64), the mean
+        |log-prob difference| between the training forward and the sampler must be rounding (`SAMPLER_TOLERANCE`)."""
+        diff = metrics.get("sampler_logp_diff")
+        precision = str(lm.trainer.precision)
+        if diff is None or not math.isfinite(diff) or precision not in FULL_PRECISION or diff <= SAMPLER_TOLERANCE:
+            return
+        raise TrainingError(
+            f"on-policy step {lm.trainer.global_step + 1}: the training forward scores the sampled tokens "
+            f"{diff:.2e} away from the log-probs they were sampled with (mean per token, allowed {SAMPLER_TOLERANCE}):"
+            " the sampler and the trained model disagree (a chat template or special tokens that tokenize otherwise"
+            " than they were sampled, or a model that computes otherwise with a KV cache); check model.attn_backend"
+            " and data.tokenizer"
+        )
 
 
 NAMED = ("sft", "dpo", "ipo", "simpo", "orpo")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lit_packing.cli import cli_main
 from lit_packing.data import ArithmeticPrompts, ArithmeticRollouts, OnPolicyRollouts
 from lit_packing.errors import ConfigError
-from tests.cli.test_configs import saved_tiny
+from tests.cli.test_configs import error_line, saved_tiny
 
 
 def length_reward(prompts: list, completions: list[str], answer: list, **columns) -> list[float]:
@@ -94,6 +95,8 @@ def test_on_policy_rounds_train_and_replay_as_stored_rollouts(tmp_path, monkeypa
             "rollout/generation_s", "rollout/generated_tokens_per_s", "train/clip_ratio/region_mean"} <= logged
     assert [row["rollout/round"] for row in rows] == ["0.0", "0.0", "1.0", "1.0"]  # each step names its round
     assert float(rows[1]["train/clip_ratio/region_mean"]) > 0  # the second pass: the policy moved, ratios clip
+    # The first step of each round trains the policy that sampled it: its log-probs are the sampler's.
+    assert max(float(rows[step]["train/sampler_logp_diff"]) for step in (0, 2)) < 1e-5
 
     # The first round's file, stored rollouts now: 2 epochs over it train the on-policy run's first 2 steps.
     stored = ["--data.source=lit_packing.data.HFDataset", f"--data.source.init_args.path={files[0]}",
@@ -128,3 +131,27 @@ def test_the_packaged_prompts_are_the_packaged_rollouts_questions():
 def test_bad_settings_are_named(kwargs, named):
     with pytest.raises(ConfigError, match=named):
         OnPolicyRollouts(**kwargs)
+
+
+def test_a_sampler_that_disagrees_with_the_trained_model_stops_the_first_step(tmp_path, monkeypatch, capsys):
+    """Log-probs recorded 0.05 away from the model's own (as a sampler at another temperature would record them):
+    the round's first step, where the policy that sampled trains, stops the run in one line."""
+    from lit_packing.models import rollouts
+
+    sample = rollouts.sample_groups
+
+    def disagreeing(*args, **kwargs):
+        groups = sample(*args, **kwargs)
+        for group in groups:
+            group["behaviour_logps"] = [[logp - 0.05 for logp in logps] for logps in group["behaviour_logps"]]
+        return groups
+
+    monkeypatch.setattr(rollouts, "sample_groups", disagreeing)
+    monkeypatch.chdir(tmp_path)
+    source = ["--data.source=lit_packing.data.OnPolicyRollouts", "--data.source.init_args.prompts_per_round=1",
+              "--data.source.init_args.group_size=2", "--data.source.init_args.max_new_tokens=4"]  # fmt: skip
+    model = saved_tiny(tmp_path)
+    line = error_line(["fit", f"--model.name_or_path={model}", *COMMON, *source, "--trainer.max_steps=1",
+                       f"--trainer.default_root_dir={tmp_path}"], capsys)  # fmt: skip
+    assert re.fullmatch(r"error: on-policy step 1: the training forward scores the sampled tokens 5\.00e-02 away .* "
+                        r"check model\.attn_backend and data\.tokenizer", line), line
