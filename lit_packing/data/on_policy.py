@@ -224,6 +224,7 @@ class RoundLoader:
         self.batch_sampler = self  # where Lightning's `set_epoch` reaches this loader
         self._starts: dict[int, int] = {}  # round -> its first micro-batch in the fit's count
         self._resume: dict[str, Any] | None = None
+        self._handed_out = self._trained = 0
         self.clock = {"sampling_s": 0.0}  # this rank's seconds spent sampling, read by the throughput callback
         self._sampled: tuple[int, tuple[list[dict], dict]] | None = None  # the last round sampled
         self.resumed_at: int | None = None
@@ -244,6 +245,7 @@ class RoundLoader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         resume = self._resume  # kept until a step trains: Lightning may start an iterator, then start another
+        self._handed_out = self._trained = 0  # this iterator's batches handed out, and trained
         number, start, inside = (0, 0, 0) if resume is None else (resume["round"], resume["start"], resume["inside"])
         return self._batches(number, start, inside, resume is not None)
 
@@ -256,11 +258,16 @@ class RoundLoader:
                 stats = {"round": number, "reward": float(np.mean([r for row in rows for r in row["rewards"]]))}
                 resumed = False
             else:
-                # Lightning fetches one batch ahead: the round's first batch is handed out empty and filled in
-                # place when the loop fetches the batch after it, that is once the step before it has updated
-                # the policy, which then samples the round.
-                first = {}
-                yield first
+                # The policy that the step before the round leaves samples it. Where Lightning fetches a batch ahead
+                # (a loader of unknown length), the last batch handed out is not trained yet: the round's first
+                # batch is handed out empty and filled in place when the loop fetches the one after it.
+                if self._handed_out > self._trained:
+                    first = {}
+                    self._handed_out += 1
+                    yield first
+                    if self._handed_out - 1 > self._trained:
+                        raise RuntimeError("on-policy round sampled before the step before it trained: "
+                                           "Lightning fetched more than one batch ahead")  # fmt: skip
                 rows, stats = self._sample(number)
             dataset = self._tokenize(rows, number)
             self._starts = {**{k: v for k, v in self._starts.items() if k >= number - 2}, number: start}
@@ -280,6 +287,7 @@ class RoundLoader:
                         first.update(batch)
                         first = None
                     else:
+                        self._handed_out += 1
                         yield batch
                 inside = max(inside - total, 0)
                 start += total
@@ -391,8 +399,9 @@ class RoundLoader:
     # ------------------------------------------------------------ resume
 
     def trained(self) -> None:
-        """A step trained: a restored position is behind, a new iterator starts where the fit is."""
+        """A batch trained: a restored position is behind, a new iterator starts where the fit is."""
         self._resume = None
+        self._trained += 1
 
     def state_dict(self, steps_done: int | None = None) -> dict[str, Any]:
         """The trained position: the round holding micro-batch `steps_done` (Lightning's count) and how far in."""
