@@ -87,6 +87,8 @@ class GroupCollator:
         sizes = [len(outs) for _, outs in parts]
         batch[COMPLETIONS] = torch.tensor(completions, dtype=torch.int64)
         batch[GROUPS] = torch.repeat_interleave(torch.arange(len(parts)), torch.tensor(sizes, dtype=torch.int64))
+        if not groups:  # an empty pack (a rank's share of a step's last packs): no completion, no reward
+            batch[REWARDS] = torch.zeros(0, dtype=torch.float64)
         for key in (REWARDS, ADVANTAGES):
             if groups and all(key in group for group in groups):
                 batch[key] = torch.tensor([float(x) for group in groups for x in group[key]], dtype=torch.float64)

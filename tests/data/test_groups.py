@@ -202,3 +202,23 @@ def test_grpo_refuses_a_reference_it_cannot_take_and_batches_of_other_kinds():
     batch = GroupCollator()([{INPUT_IDS: [1, 2, 3], COMPLETION_TOKENS: [1], REWARDS: [1.0]}])
     with pytest.raises(ConfigError, match=r"^model.objective: SFT got a batch of rollout groups"):
         sft.objective.loss(sft, batch)
+
+
+def test_an_empty_pack_of_groups_trains_nothing_and_still_runs_backward():
+    """A rank's share of a step's last packs may be empty (3 groups in 1 pack over 2 ranks): its batch holds no
+    completion and no reward; the GRPO loss is 0 with a graph (DDP's gradient all-reduce needs the backward) and
+    every metric is there with a count of 0, so the ranks' step totals line up."""
+    import torch
+
+    from lit_packing.batch import Pack, step_totals
+    from lit_packing.models import GRPO, PackedCausalLM
+
+    lm = PackedCausalLM(model_config=dict(TINY_LLAMA, vocab_size=49152), objective=GRPO(), memory_check=False)
+    batch = GroupCollator()(Pack([], step=step_totals([5, 3])))
+    assert batch[REWARDS].shape == (0,) and batch[COMPLETIONS].shape == (0,)
+    parts, metrics = lm.objective.loss(lm, batch)
+    assert parts.objective.item() == 0 and parts.objective.requires_grad
+    parts.objective.backward()
+    assert all(p.grad is None or not p.grad.any() for p in lm.parameters())
+    assert {"reward", "advantage", "entropy", "completion_length", "sampler_logp_diff"} <= set(metrics)
+    assert all(count.item() == 0 for _, count in metrics.values())
