@@ -180,8 +180,10 @@ class PackingDataModule(LightningDataModule):
             self._probe("val_sampler", val_sampler)
         if isinstance(self.source, OnPolicyRollouts) and self.streaming:
             raise ConfigError("data.streaming", "on-policy rollouts are sampled, not read", "set it to false")
-        feed = OnPolicyFeed if isinstance(self.source, OnPolicyRollouts) else StreamFeed if self.streaming else CachedFeed
-        self.feed: Feed = feed(self._feed_settings())
+        on_policy = isinstance(self.source, OnPolicyRollouts)
+        self.feed: Feed = (OnPolicyFeed if on_policy else StreamFeed if self.streaming else CachedFeed)(
+            self._feed_settings()
+        )
         self._tokenizer = None
         self.contract: DataContract | None = None  # published by `setup`
         self.model_contract: ModelContract | None = None  # what the model publishes (`connect_model`)

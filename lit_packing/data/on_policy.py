@@ -20,10 +20,12 @@ pass a new plan; the stored log-probs are the behaviour policy's, so later passe
 from the updated policy. Every round is whole optimizer steps (the last completed with empty packs).
 
 Generation runs between optimizer steps, in the training process, with the model in eval mode and its own random
-stream (the training's is untouched); the round's rollout metrics (`rollout/round`, `rollout/reward`,
-`rollout/generation_s`, `rollout/generated_tokens_per_s`) are logged at each of its steps, and training's effective tokens/s counts
-the training steps only. A checkpoint keeps the round and the micro-batch inside it: a resume reads the round's file
-back and samples the next rounds from the restored policy, as the uninterrupted run would.
+stream (the training's is untouched), by the policy the step before the round left. The round's rollout metrics
+(`rollout/round`, `rollout/reward`, `rollout/generation_s`, `rollout/generated_tokens_per_s`) are logged at each of
+its steps, and training's effective tokens/s counts the training steps only. The round's first step trains the
+policy that sampled it, and `GRPO` checks there that the training forward scores the sampled tokens as the sampler
+did. A checkpoint keeps the round and the micro-batch inside it: a resume reads the round's file back and samples
+the next rounds from the restored policy, as the uninterrupted run would.
 """
 
 from __future__ import annotations

@@ -265,6 +265,9 @@ class ArithmeticRollouts(HFDataset):
         return "ArithmeticRollouts()"
 
 
+_PROMPTS = "data.source.init_args.prompts.init_args"  # where ArithmeticPrompts sits in an on-policy config
+
+
 def _sums(n: int, digits: int, seed: int) -> Iterator[dict]:
     rng = random.Random(seed)
     low, high = 10 ** (digits - 1) if digits > 1 else 1, 10**digits - 1
@@ -287,7 +290,7 @@ class ArithmeticPrompts(Source):
     def __init__(self, n: int = 512, digits: int = 1, seed: int = 0) -> None:
         for name, value in (("n", n), ("digits", digits)):
             if value < 1:
-                raise ConfigError(f"data.source.init_args.prompts.init_args.{name}", f"{value} is below 1", "use 1 or more")
+                raise ConfigError(f"{_PROMPTS}.{name}", f"{value} is below 1", "use 1 or more")
         self.n, self.digits, self.seed = n, digits, seed
 
     def load(self, cache_dir: str | None = None) -> datasets.Dataset:

@@ -34,9 +34,9 @@ from lit_packing.models.preference import (
 )
 from lit_packing.models.reference import reference_forward, reference_logps
 
-REFERENCES = ("precomputed", "copy", "lora")
+REFERENCES = ("precomputed", "copy", "lora")  # model.reference: where an objective takes reference log-probs from
 FULL_PRECISION = ("32-true", "64-true", "32", "64")  # where the sampler's and the trainer's log-probs agree to rounding
-SAMPLER_TOLERANCE = 1e-3  # the largest mean |log-prob difference| per token on an on-policy round's first step  # model.reference: where an objective takes reference log-probs from
+SAMPLER_TOLERANCE = 1e-3  # the largest mean |log-prob difference| per token on an on-policy round's first step
 
 
 class Objective:

@@ -208,7 +208,6 @@ def test_an_empty_pack_of_groups_trains_nothing_and_still_runs_backward():
     """A rank's share of a step's last packs may be empty (3 groups in 1 pack over 2 ranks): its batch holds no
     completion and no reward; the GRPO loss is 0 with a graph (DDP's gradient all-reduce needs the backward) and
     every metric is there with a count of 0, so the ranks' step totals line up."""
-    import torch
 
     from lit_packing.batch import Pack, step_totals
     from lit_packing.models import GRPO, PackedCausalLM

@@ -1,7 +1,8 @@
 """On-policy rollouts (`data/on_policy.py`) through the real CLI on a tiny random Llama: each round sampled by the
 policy being trained, scored by reward functions given as import paths, written as a stored-rollouts file, trained
 `iterations` times; a stored round replays to the very losses the on-policy run trained; a run stopped between
-rounds resumes to the uninterrupted run's losses and rollouts; the round's rows name their prompt's answer; the packaged prompts are the ones the packaged rollouts answer."""
+rounds resumes to the uninterrupted run's losses and rollouts; the round's rows name their prompt's answer; the
+packaged prompts are the ones the packaged rollouts answer; a sampler that disagrees with the model stops the run."""
 
 from __future__ import annotations
 
@@ -91,8 +92,16 @@ def test_on_policy_rounds_train_and_replay_as_stored_rollouts(tmp_path, monkeypa
                 assert reward - 0.5 in (0.0, 1.0, 2.0, 3.0, 4.0)  # length_reward + bonus
     assert len({g["prompt_row"] for path in files for g in map(json.loads, path.read_text().splitlines())}) == 4
     logged = {key for row in rows for key, value in row.items() if value}
-    assert {"train/reward", "train/advantage", "train/entropy", "train/completion_length", "rollout/reward",
-            "rollout/generation_s", "rollout/generated_tokens_per_s", "train/clip_ratio/region_mean"} <= logged
+    assert {
+        "train/reward",
+        "train/advantage",
+        "train/entropy",
+        "train/completion_length",
+        "rollout/reward",
+        "rollout/generation_s",
+        "rollout/generated_tokens_per_s",
+        "train/clip_ratio/region_mean",
+    } <= logged
     assert [row["rollout/round"] for row in rows] == ["0.0", "0.0", "1.0", "1.0"]  # each step names its round
     assert float(rows[1]["train/clip_ratio/region_mean"]) > 0  # the second pass: the policy moved, ratios clip
     # The first step of each round trains the policy that sampled it: its log-probs are the sampler's.
@@ -153,5 +162,8 @@ def test_a_sampler_that_disagrees_with_the_trained_model_stops_the_first_step(tm
     model = saved_tiny(tmp_path)
     line = error_line(["fit", f"--model.name_or_path={model}", *COMMON, *source, "--trainer.max_steps=1",
                        f"--trainer.default_root_dir={tmp_path}"], capsys)  # fmt: skip
-    assert re.fullmatch(r"error: on-policy step 1: the training forward scores the sampled tokens 5\.00e-02 away .* "
-                        r"check model\.attn_backend and data\.tokenizer", line), line
+    assert re.fullmatch(
+        r"error: on-policy step 1: the training forward scores the sampled tokens 5\.00e-02 away .* "
+        r"check model\.attn_backend and data\.tokenizer",
+        line,
+    ), line
