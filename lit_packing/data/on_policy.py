@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -75,6 +76,10 @@ def import_reward(path: str) -> Callable[..., list[float]]:
     if not callable(function):
         raise ConfigError(f"{_SETTING}.reward_funcs", f"{path!r} is not an importable function",
                           "give its import path, e.g. lit_packing.models.rollouts.final_number")  # fmt: skip
+    module, extra = getattr(function, "requires", (None, None))
+    if module is not None and importlib.util.find_spec(module) is None:
+        raise ConfigError(f"{_SETTING}.reward_funcs", f"{path} needs the {module} package",
+                          f'pip install "lit_packing[{extra}]"')  # fmt: skip
     return function
 
 

@@ -76,6 +76,15 @@ def score_groups(groups: list[dict], reward: RewardFunction, **columns: Sequence
         group["rewards"] = [float(r) for r in reward([group["prompt"]] * n, group["texts"], **extra)]
 
 
+def math_answer(prompts: list, completions: list[str], answer: list, **columns) -> list[float]:
+    """A reward function built on `math-verify` (the `rl` extra): 1.0 where the completion's final answer (a
+    `\\boxed{}`, LaTeX or a plain expression) is mathematically equal to the `answer` column's, else 0.0."""
+    from math_verify import parse, verify
+
+    return [float(verify(parse(str(gold)), parse(text))) for text, gold in zip(completions, answer)]
+
+
+math_answer.requires = ("math_verify", "rl")  # the module it imports, and the extra that installs it
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 

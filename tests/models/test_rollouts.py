@@ -5,6 +5,7 @@ on-policy step's importance ratios are 1; a reward scores each completion."""
 from __future__ import annotations
 
 import datasets
+import pytest
 import torch
 from transformers import AutoTokenizer
 
@@ -13,7 +14,7 @@ from lit_packing.data.groups import GroupCollator
 from lit_packing.data.tokenize import TokenizedDataset, tokenize_dataset
 from lit_packing.models.grpo import completion_logps
 from lit_packing.models.head import head_inputs
-from lit_packing.models.rollouts import final_number, sample_groups, score_groups
+from lit_packing.models.rollouts import final_number, math_answer, sample_groups, score_groups
 from tests.helpers import TINY_LLAMA, packed_model
 
 
@@ -43,3 +44,20 @@ def test_sampled_groups_replay_with_the_samplers_log_probs(tmp_path):
 def test_the_final_number_reward():
     texts = ["2 + 3 = 5.", "It is 4, no, 5", "five", "5.0", "-5", "1,005"]
     assert final_number([""] * 6, texts, answer=[5, 5, 5, 5, -5, 1005]) == [1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+
+
+def test_the_math_answer_reward_verifies_final_answers_with_math_verify():
+    texts = ["4 + 7 = 11.", "The answer is \\boxed{11}", "It is 12", "eleven", "$\\frac{22}{2}$", "x = 1/2"]
+    assert math_answer([""] * 6, texts, answer=[11, 11, 11, 11, 11, "0.5"]) == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+
+
+def test_a_reward_function_whose_package_is_missing_is_named_with_its_extra(monkeypatch):
+    import importlib.util
+
+    from lit_packing.data.on_policy import import_reward
+    from lit_packing.errors import ConfigError
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "math_verify" else find_spec(name))
+    with pytest.raises(ConfigError, match=r"reward_funcs: .*math_answer needs the math_verify package.*lit_packing\[rl\]"):
+        import_reward("lit_packing.models.rollouts.math_answer")
