@@ -356,6 +356,10 @@ class RoundLoader:
         gathered = _gather(groups, world)
         gathered.sort(key=lambda g: rows.index(g["prompt_row"]))
         out = [_row(group) for group in gathered]
+        objective = getattr(self.trainer.lightning_module, "objective", None)
+        advantages = getattr(objective, "round_advantages", lambda rows: None)(out)
+        for row, values in zip(out, advantages or []):  # advantages of the whole round (`scale_rewards: batch`)
+            row["advantages"] = values
         if self.trainer.is_global_zero:
             self._write(number, out)
         rewards = [r for row in out for r in row["rewards"]]

@@ -28,11 +28,14 @@ spread over ranks. TRL's `grpo` and `bnpo` divide by the local micro-batch's com
 accumulation steps): equal to these on a step of one micro-batch, different once a step is split.
 
 Advantages from rewards (`advantages`): `grpo` subtracts the group's mean reward and divides by the group's std
-(`scale_rewards: group`, + 1e-4 as TRL does) or not (`none`); `rloo` subtracts the mean of the group's other rewards.
+(`scale_rewards: group`, + 1e-4 as TRL does), by the std of every reward of the generation batch (`batch`: an
+on-policy round, whose advantages the sampler computes with `batch_advantages`) or not (`none`); `rloo` subtracts the
+mean of the group's other rewards.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -64,7 +67,8 @@ class GRPOSettings:
             exponential of its mean token log-ratio).
         max_completion_length: dr_grpo's constant (the generation limit the completions were sampled under).
         advantages: `grpo` (the group's mean reward subtracted) or `rloo` (the mean of the group's other rewards).
-        scale_rewards: `group` (divided by the group's reward std) or `none`.
+        scale_rewards: `group` (divided by the group's reward std), `batch` (by the generation batch's: on-policy
+            rounds only) or `none`.
     """
 
     loss_type: LossType = "dapo"
@@ -74,11 +78,11 @@ class GRPOSettings:
     importance_sampling_level: Literal["token", "sequence"] = "token"
     max_completion_length: int | None = None
     advantages: Literal["grpo", "rloo"] = "grpo"
-    scale_rewards: Literal["group", "none"] = "group"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
 
     def __post_init__(self) -> None:
         choices = {"loss_type": LOSS_TYPES, "importance_sampling_level": ("token", "sequence"),
-                   "advantages": ("grpo", "rloo"), "scale_rewards": ("group", "none")}  # fmt: skip
+                   "advantages": ("grpo", "rloo"), "scale_rewards": ("group", "batch", "none")}  # fmt: skip
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(name, f"{getattr(self, name)!r} is not a choice", f"use {', '.join(allowed)}")
@@ -190,6 +194,13 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, settings: GRPO
         std = (squares / (size - 1).clamp_min(1)).sqrt()[groups]  # unbiased, as torch.std
         advantages = advantages / (std + STD_EPS)
     return advantages
+
+
+def batch_advantages(rewards: torch.Tensor, groups: torch.Tensor, settings: GRPOSettings) -> torch.Tensor:
+    """`scale_rewards: batch` (TRL's): each completion's advantage over its group (`advantages`), divided by the
+    std of every reward of the generation batch (+1e-4): computed where the whole batch is, by the sampler."""
+    centred = group_advantages(rewards, groups, dataclasses.replace(settings, scale_rewards="none"))
+    return centred / (rewards.std() + STD_EPS)
 
 
 def grpo_loss(

@@ -23,7 +23,7 @@ import torch
 
 from lit_packing.batch import ADVANTAGES, BEHAVIOUR_LOGPS, COMPLETIONS, GROUPS, LABELS, PAIRS, REWARDS, ROUND
 from lit_packing.errors import ConfigError, TrainingError
-from lit_packing.models.grpo import GRPOSettings, completion_logps, group_advantages, grpo_loss
+from lit_packing.models.grpo import GRPOSettings, batch_advantages, completion_logps, group_advantages, grpo_loss
 from lit_packing.models.loss import LossNormalization, LossParts, causal_lm_loss, eval_sums
 from lit_packing.models.preference import (
     PreferenceSettings,
@@ -166,7 +166,8 @@ class GRPO(Objective):
         importance_sampling_level: `token`, or `sequence` (GSPO).
         max_completion_length: dr_grpo's constant: the generation limit of the completions.
         advantages: from rewards: `grpo` (the group's mean subtracted) or `rloo` (the mean of the others).
-        scale_rewards: `group` (divided by the group's std) or `none`.
+        scale_rewards: `group` (divided by the group's std), `batch` (by the std of the generation batch's rewards:
+            on-policy rounds, whose sampler computes the advantages) or `none`.
     """
 
     reference_keys = ("copy", "lora")
@@ -196,6 +197,10 @@ class GRPO(Objective):
         device = policy.logps.device
         if ADVANTAGES in batch:
             advantages = batch[ADVANTAGES].to(device)
+        elif self.settings.scale_rewards == "batch" and len(batch[COMPLETIONS]):
+            raise ConfigError("scale_rewards", "batch divides by the reward std of the whole generation batch, which "
+                              "stored rollouts do not mark", "use it on-policy (data.source: OnPolicyRollouts), store "
+                              "advantages, or use group")  # fmt: skip
         else:
             advantages = group_advantages(batch[REWARDS].to(device), batch[GROUPS].to(device), self.settings)
         behaviour = batch[BEHAVIOUR_LOGPS].to(device) if BEHAVIOUR_LOGPS in batch else None
@@ -226,6 +231,17 @@ class GRPO(Objective):
     def evaluate(self, lm, batch, stage):
         parts, _, _ = self.parts(lm, batch)
         return parts.loss_sum, parts.units, parts.units.new_zeros(())
+
+    def round_advantages(self, rows: list[dict]) -> list[list[float]] | None:
+        """The advantages of an on-policy round's groups when they depend on the whole round (`scale_rewards:
+        batch`), computed by the sampler and stored with the round; None: each group's own (computed per batch)."""
+        if self.settings.scale_rewards != "batch":
+            return None
+        rewards = torch.tensor([r for row in rows for r in row["rewards"]], dtype=torch.float64)
+        groups = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(row["rewards"]) for row in rows]))
+        flat = batch_advantages(rewards, groups, self.settings).tolist()
+        ends = torch.tensor([len(row["rewards"]) for row in rows]).cumsum(0).tolist()
+        return [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
 
     def check_step(self, lm, metrics):
         """The first-step self-test of on-policy rounds: where the round's sampler trains (fp32 or fp64), the mean

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_packing.cli import cli_main
@@ -76,6 +77,7 @@ def test_on_policy_rounds_train_and_replay_as_stored_rollouts(tmp_path, monkeypa
         "--data.source.init_args.max_new_tokens=8",
         f"--data.source.init_args.reward_funcs=[{__name__}.length_reward, {__name__}.bonus]",
         "--data.source.init_args.iterations=2",
+        "--model.objective.init_args.scale_rewards=batch",  # advantages of the whole round, stored with it
     ]
     root, rows = fit(tmp_path, "on_policy", model, on_policy, steps=4)
     files = sorted((root / "rollouts").glob("*.jsonl"))
@@ -87,6 +89,9 @@ def test_on_policy_rounds_train_and_replay_as_stored_rollouts(tmp_path, monkeypa
         for group in groups:
             assert group["answer"] == prompts[group["prompt_row"]]["answer"]
             assert group["prompt"] == prompts[group["prompt_row"]]["prompt"]
+            rewards = torch.tensor(group["rewards"], dtype=torch.float64)
+            scale = torch.tensor([r for g in groups for r in g["rewards"]], dtype=torch.float64).std() + 1e-4
+            assert group["advantages"] == pytest.approx(((rewards - rewards.mean()) / scale).tolist(), abs=1e-12)
             for ids, logps, reward in zip(group["completions"], group["behaviour_logps"], group["rewards"]):
                 assert 1 <= len(ids) <= 8 and len(logps) == len(ids)
                 assert reward - 0.5 in (0.0, 1.0, 2.0, 3.0, 4.0)  # length_reward + bonus

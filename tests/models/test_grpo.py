@@ -13,10 +13,17 @@ import pytest
 import torch
 
 from benchmarks.grpo_throughput import padded as padded_groups
-from lit_packing.batch import BEHAVIOUR_LOGPS, STEP, attach_step, model_inputs
+from lit_packing.batch import BEHAVIOUR_LOGPS, STEP, Pack, attach_step, model_inputs, step_totals
 from lit_packing.data.groups import GroupCollator
 from lit_packing.errors import ConfigError, DataError
-from lit_packing.models.grpo import LOSS_TYPES, GRPOSettings, completion_logps, group_advantages, grpo_loss
+from lit_packing.models.grpo import (
+    LOSS_TYPES,
+    GRPOSettings,
+    batch_advantages,
+    completion_logps,
+    group_advantages,
+    grpo_loss,
+)
 from lit_packing.models.head import head_inputs
 from lit_packing.models.pack import HOST_BACKENDS
 from tests.helpers import TINY_LLAMA, packed_model, tiny_model
@@ -201,6 +208,19 @@ def test_advantages_as_trl_computes_them_and_leave_one_out():
     got = group_advantages(rewards, groups, GRPOSettings(advantages="rloo", scale_rewards="none"))
     torch.testing.assert_close(got, loo)
     assert got[3:5].abs().sum() == 0  # equal rewards: no advantage, no division by a zero std
+    batch = torch.cat([r - r.mean() for r in by_group]) / (rewards.std() + 1e-4)  # TRL: scale_rewards=batch
+    torch.testing.assert_close(batch_advantages(rewards, groups, GRPOSettings(scale_rewards="batch")), batch)
+
+
+def test_batch_scaled_advantages_need_the_generation_batch():
+    """Stored rollouts without advantages cannot say what their generation batch was: refused in one line."""
+    from lit_packing.models import GRPO, PackedCausalLM
+
+    lm = PackedCausalLM(model_config=dict(TINY_LLAMA, vocab_size=49152), objective=GRPO(scale_rewards="batch"),
+                        memory_check=False)  # fmt: skip
+    group = {"input_ids": [5, 6, 7, 8, 9], "completion_tokens": [2, 1], "rewards": [1.0, 0.0]}
+    with pytest.raises(ConfigError, match=r"scale_rewards: batch divides by the reward std of the whole generation"):
+        lm.objective.loss(lm, GroupCollator()(Pack([group], step=step_totals([3]))))
 
 
 def test_on_policy_ratios_are_one_and_nothing_clips():

@@ -58,6 +58,9 @@ def test_a_reward_function_whose_package_is_missing_is_named_with_its_extra(monk
     from lit_packing.errors import ConfigError
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "math_verify" else find_spec(name))
-    with pytest.raises(ConfigError, match=r"reward_funcs: .*math_answer needs the math_verify package.*lit_packing\[rl\]"):
+    missing = lambda name: None if name == "math_verify" else find_spec(name)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", missing)
+    with pytest.raises(
+        ConfigError, match=r"reward_funcs: .*math_answer needs the math_verify package.*lit_packing\[rl\]"
+    ):
         import_reward("lit_packing.models.rollouts.math_answer")
