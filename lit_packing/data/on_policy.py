@@ -310,10 +310,13 @@ class RoundLoader:
     def _prompts(self, number: int) -> list[int]:
         """The rows of round `number`'s prompts: positions of a seeded permutation of the prompts, epoch on epoch."""
         n, size = len(self.feed.prompts), self.source.prompts_per_round
+        orders: dict[int, np.ndarray] = {}  # each epoch's permutation, drawn once (a round spans at most a few)
         rows = []
         for position in range(number * size, (number + 1) * size):
             epoch, at = divmod(position, n)
-            rows.append(int(np.random.default_rng([self.source.seed, epoch]).permutation(n)[at]))
+            if epoch not in orders:
+                orders[epoch] = np.random.default_rng([self.source.seed, epoch]).permutation(n)
+            rows.append(int(orders[epoch][at]))
         return rows
 
     def _sample(self, number: int) -> tuple[list[dict], dict[str, float]]:
