@@ -91,8 +91,8 @@ class OnPolicyRollouts(Source):
             columns go to the reward functions.
         group_size: completions per prompt (G).
         prompts_per_round: prompts sampled each round, over all data-parallel ranks.
-        max_new_tokens: the generation limit of a completion (sampled at temperature 1, no top-k / top-p cut: the
-            stored log-probs are the policy's own).
+        max_new_tokens: the generation limit of a completion (sampled at the objective's `temperature`, no top-k /
+            top-p cut: the stored log-probs are those of the distribution sampled from).
         reward_funcs: import paths of reward functions, `(prompts, completions, **columns) -> list[float]`; a
             completion's reward is their sum.
         iterations: passes over each round's groups before the next round (TRL's `num_iterations`).
@@ -328,7 +328,8 @@ class RoundLoader:
         rank, world = data_parallel(self.trainer)
         rows = self._prompts(number)
         mine = rows[rank::world]
-        model = self.trainer.lightning_module.model
+        lm = self.trainer.lightning_module
+        model = lm.model
         source = self.source
         began = time.perf_counter()
         groups: list[dict] = []
@@ -342,7 +343,7 @@ class RoundLoader:
                 with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                     groups = sample_groups(
                         model, self.tokenizer, prompts["prompt"], source.group_size, source.max_new_tokens,
-                        seed=source.seed * 1_000_003 + number * 1_009 + rank,
+                        _temperature(lm), seed=source.seed * 1_000_003 + number * 1_009 + rank,
                         batch_prompts=source.generation_batch,
                     )  # fmt: skip
             finally:
@@ -443,6 +444,11 @@ class RoundLoader:
         self._resume = dict(state)
         self.resumed_at = int(state["start"]) + int(state["inside"])
         self.restored = f"on-policy round {state['round']:,}, micro-batch {state['inside']:,} of it"
+
+
+def _temperature(lm: Any) -> float:
+    """The sampling temperature the model's objective scores log-probs at (GRPO's `temperature`; else 1)."""
+    return float(getattr(getattr(getattr(lm, "objective", None), "settings", None), "temperature", 1.0))
 
 
 def _gather(groups: list[dict], world: int) -> list[dict]:

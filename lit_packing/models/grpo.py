@@ -69,6 +69,8 @@ class GRPOSettings:
         advantages: `grpo` (the group's mean reward subtracted) or `rloo` (the mean of the group's other rewards).
         scale_rewards: `group` (divided by the group's reward std), `batch` (by the generation batch's: on-policy
             rounds only) or `none`.
+        temperature: the sampling temperature: the completions' log-probs are the logits divided by it (on-policy
+            rounds are sampled at it).
     """
 
     loss_type: LossType = "dapo"
@@ -79,6 +81,7 @@ class GRPOSettings:
     max_completion_length: int | None = None
     advantages: Literal["grpo", "rloo"] = "grpo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         choices = {"loss_type": LOSS_TYPES, "importance_sampling_level": ("token", "sequence"),
@@ -88,6 +91,7 @@ class GRPOSettings:
                 raise ConfigError(name, f"{getattr(self, name)!r} is not a choice", f"use {', '.join(allowed)}")
         check_range("epsilon", self.epsilon, 0)
         check_range("beta", self.beta, 0)
+        check_range("temperature", self.temperature, 0, low_open=True)
         if self.epsilon_high is not None:
             check_range("epsilon_high", self.epsilon_high, 0)
         if self.loss_type == "cispo" and self.epsilon_high is None:
@@ -128,16 +132,19 @@ class GRPOParts:
     metrics: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def completion_logps(outputs: torch.Tensor | HeadInputs, batch: Mapping[str, Any]) -> CompletionLogps:
+def completion_logps(
+    outputs: torch.Tensor | HeadInputs, batch: Mapping[str, Any], temperature: float = 1.0
+) -> CompletionLogps:
     """Log-probabilities and entropies of every completion token of a group batch (`GroupCollator`, shared prompts
-    or not), from logits (1, T, V) or `HeadInputs` (chunk by chunk: no (T, V) logits)."""
+    or not), from logits (1, T, V) or `HeadInputs` (chunk by chunk: no (T, V) logits), of the distribution the
+    completions were sampled from: the logits divided by the sampling `temperature` (as TRL scores them)."""
     where, sources = label_sources(batch)
     targets = batch[LABELS][0, where]
     if isinstance(outputs, HeadInputs):
         hidden = outputs.hidden[0].index_select(0, sources)
-        logps, entropy = _chunked(outputs, hidden, targets)
+        logps, entropy = _chunked(outputs, hidden, targets, temperature)
     else:
-        logps, entropy = _logps_entropy(outputs[0].index_select(0, sources), targets)
+        logps, entropy = _logps_entropy(outputs[0].index_select(0, sources), targets, temperature)
     segments = batch_segments(batch)[0, where]
     completions = batch[COMPLETIONS].to(segments.device)
     n = batch[CU_SEQ_LENS_Q].shape[0] - 1
@@ -146,18 +153,23 @@ def completion_logps(outputs: torch.Tensor | HeadInputs, batch: Mapping[str, Any
     return CompletionLogps(logps, entropy, completion_of[segments], len(completions))
 
 
-def _logps_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logprobs = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
+def _logps_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logprobs = (logits if temperature == 1 else logits / temperature).log_softmax(-1)
     entropy = -(logprobs.exp() * logprobs).sum(-1)
     return logprobs.gather(-1, targets[:, None]).squeeze(-1), entropy.detach()
 
 
-def _head_chunk(inputs: HeadInputs, hidden: torch.Tensor, targets: torch.Tensor):
-    return _logps_entropy(inputs.logits(hidden), targets)
+def _head_chunk(inputs: HeadInputs, temperature: float, hidden: torch.Tensor, targets: torch.Tensor):
+    return _logps_entropy(inputs.logits(hidden), targets, temperature)
 
 
-def _chunked(inputs: HeadInputs, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    compute = functools.partial(_head_chunk, inputs)
+def _chunked(
+    inputs: HeadInputs, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    compute = functools.partial(_head_chunk, inputs, temperature)
     if torch.is_grad_enabled() and hidden.requires_grad:
         compute = functools.partial(checkpoint, compute, use_reentrant=False)
     size = inputs.chunk_size

@@ -168,6 +168,8 @@ class GRPO(Objective):
         advantages: from rewards: `grpo` (the group's mean subtracted) or `rloo` (the mean of the others).
         scale_rewards: `group` (divided by the group's std), `batch` (by the std of the generation batch's rewards:
             on-policy rounds, whose sampler computes the advantages) or `none`.
+        temperature: the sampling temperature (TRL's): log-probs of the logits divided by it; on-policy rounds are
+            sampled at it; stored rollouts' `behaviour_logps` must be of the same.
     """
 
     reference_keys = ("copy", "lora")
@@ -183,9 +185,10 @@ class GRPO(Objective):
         max_completion_length: int | None = None,
         advantages: str = "grpo",
         scale_rewards: str = "group",
+        temperature: float = 1.0,
     ) -> None:
         self.settings = GRPOSettings(loss_type, epsilon, epsilon_high, beta, importance_sampling_level,
-                                     max_completion_length, advantages, scale_rewards)  # fmt: skip
+                                     max_completion_length, advantages, scale_rewards, temperature)  # fmt: skip
         self.normalizer = self.settings.normalizer
         self.needs_reference = beta > 0
 
@@ -193,7 +196,8 @@ class GRPO(Objective):
         """The loss parts of a group batch, the completions' advantages, and the policy's distance from the sampler
         on an on-policy round's first step (`check_step`)."""
         check_batch(self, batch, COMPLETIONS)
-        policy = completion_logps(lm.loss_outputs(batch), batch)
+        temperature = self.settings.temperature
+        policy = completion_logps(lm.loss_outputs(batch), batch, temperature)
         device = policy.logps.device
         if ADVANTAGES in batch:
             advantages = batch[ADVANTAGES].to(device)
@@ -206,7 +210,7 @@ class GRPO(Objective):
         behaviour = batch[BEHAVIOUR_LOGPS].to(device) if BEHAVIOUR_LOGPS in batch else None
         reference = None
         if self.needs_reference:
-            reference = reference_forward(lm, batch, lambda outputs, b: completion_logps(outputs, b).logps)
+            reference = reference_forward(lm, batch, lambda outputs, b: completion_logps(outputs, b, temperature).logps)
         parts = grpo_loss(policy, advantages, self.settings, behaviour, reference)
         # On the first step of an on-policy round the policy that sampled trains: its log-probs must be the
         # sampler's (ratio 1). (sum |difference|, tokens) there, (0, 0) elsewhere: every micro-batch has the metric.

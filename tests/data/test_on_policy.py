@@ -172,3 +172,20 @@ def test_a_sampler_that_disagrees_with_the_trained_model_stops_the_first_step(tm
         r"check model\.attn_backend and data\.tokenizer",
         line,
     ), line
+
+
+def test_a_round_sampled_at_a_temperature_is_scored_at_it(tmp_path, monkeypatch, capsys):
+    """At temperature 0.7 the sampler records log-probs of logits / 0.7 and GRPO scores the tokens the same way:
+    the first step's self-test sees rounding only. Sampled at 0.7 but scored at 1, the first step stops."""
+    from lit_packing.data import on_policy
+
+    monkeypatch.chdir(tmp_path)
+    model = saved_tiny(tmp_path)
+    source = ["--data.source=lit_packing.data.OnPolicyRollouts", "--data.source.init_args.prompts_per_round=1",
+              "--data.source.init_args.group_size=2", "--data.source.init_args.max_new_tokens=4"]  # fmt: skip
+    _, rows = fit(tmp_path, "tempered", model, [*source, "--model.objective.init_args.temperature=0.7"], steps=1)
+    assert float(rows[0]["train/sampler_logp_diff"]) < 1e-5
+    monkeypatch.setattr(on_policy, "_temperature", lambda lm: 0.7)  # the sampler alone at 0.7
+    line = error_line(["fit", f"--model.name_or_path={model}", *COMMON, *source, "--trainer.max_steps=1",
+                       f"--trainer.default_root_dir={tmp_path}"], capsys)  # fmt: skip
+    assert line.startswith("error: on-policy step 1: the training forward scores the sampled tokens"), line
