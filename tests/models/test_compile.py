@@ -4,6 +4,9 @@ however T changes."""
 from __future__ import annotations
 
 import csv
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,7 +51,19 @@ def fit(compile: bool, buckets: list[int] | None, save_dir) -> dict[str, list[fl
 def test_compiled_training_matches_eager_and_does_not_recompile_per_shape(tmp_path):
     """Five steps of 2-5 examples each: T varies every step (100, 190, 110, 190, 75 tokens), or takes two bucket
     sizes. After the first step (which compiles, and recompiles once for the isolation self-test's shorter
-    sample: automatic dynamic shapes then make T symbolic) no step compiles a graph again, buckets or not."""
+    sample: automatic dynamic shapes then make T symbolic) no step compiles a graph again, buckets or not.
+
+    Run in a fresh interpreter: in a test worker that had run many other tests first, this test's fits twice took
+    the worker down or saw NaN logits in the eager fit's self-test (not reproduced alone; cause not found), so its
+    process holds nothing of other tests. The checks are `compiled_matches_eager`'s, unchanged."""
+    root = Path(__file__).resolve().parents[2]
+    code = f"from tests.models.test_compile import compiled_matches_eager; compiled_matches_eager({str(tmp_path)!r})"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=840)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def compiled_matches_eager(tmp_path: str) -> None:
+    """The test's checks, in this process."""
     torch._dynamo.reset()
     eager = fit(False, None, tmp_path)
     assert len(eager["train/loss"]) == len(STEPS) and eager["train/recompiles"] == []  # logged only when compiling
