@@ -328,7 +328,9 @@ class RoundLoader:
         rank, world = data_parallel(self.trainer)
         rows = self._prompts(number)
         mine = rows[rank::world]
-        lm = self.trainer.lightning_module
+        lm = (
+            self.trainer.lightning_module
+        )  # the policy: the one place the data reaches the model (sampling, advantages)
         model = lm.model
         source = self.source
         began = time.perf_counter()
@@ -360,8 +362,7 @@ class RoundLoader:
         gathered = _gather(groups, world)
         gathered.sort(key=lambda g: rows.index(g["prompt_row"]))
         out = [_row(group) for group in gathered]
-        objective = getattr(self.trainer.lightning_module, "objective", None)
-        advantages = getattr(objective, "round_advantages", lambda rows: None)(out)
+        advantages = getattr(getattr(lm, "objective", None), "round_advantages", lambda rows: None)(out)
         for row, values in zip(out, advantages or []):  # advantages of the whole round (`scale_rewards: batch`)
             row["advantages"] = values
         if self.trainer.is_global_zero:
