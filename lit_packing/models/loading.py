@@ -371,8 +371,9 @@ def fill_models(hp, models: list[torch.nn.Module], strategy, seed: int) -> Packi
         with agreed():  # a download failing on one rank stops every rank, not just that one (then dcp.load hangs)
             folder = None if hp["model_config"] is not None else local_folder(resolve_pretrained(hp["name_or_path"]))
         weights = Weights(hp["name_or_path"], folder, strategy.broadcast(seed))
+        on_host = getattr(strategy, "cpu_offload", False)  # ShardedStrategy's: the shards live in host memory
         for model in models:
-            materialize(model, device, weights)
+            materialize(model, device, weights, parameters_on_host=on_host)
         log.info("weights %s in %.1f s: %s on this rank", f"read from {folder}" if folder else "initialised",
                  time.perf_counter() - start, count(sum(local_tensor(p).numel() for p in models[0].parameters()),
                  "parameter"))  # fmt: skip

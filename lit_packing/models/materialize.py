@@ -19,10 +19,11 @@ What each step keeps exact:
   the shards is neither read nor downloaded); every parameter must be in the files and every file's tensor used but
   those the model class says to ignore (missing or unexpected keys named in one line);
 - a random init (`model.model_config`, LoRA adapters) is the model's own `_init_weights`, run module by module on
-  a whole scratch copy of each module's parameters with one generator seeded by the run's seed, each rank keeping
-  its slice (`distribute_tensor`, no communication): the same weights on any number of ranks, on any strategy, as
-  on one process (`initialize` runs on the unsharded path too). A parameter the model's init leaves untouched is
-  refused by name rather than left as uninitialised memory.
+  a whole scratch copy of each module's parameters on the host with one generator seeded by the run's seed, each
+  rank cutting its slice there and copying only that to its shard (no communication; under `cpu_offload` the
+  shards are host memory and nothing is allocated on the device): the same weights on any number of ranks, on any
+  strategy, as on one process (`initialize` runs on the unsharded path too). A parameter the model's init leaves
+  untouched is refused by name rather than left as uninitialised memory.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import PreTrainedModel
 
 from lit_packing._compat import checkpoint_renaming
@@ -153,10 +155,14 @@ def is_meta(model: torch.nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def materialize(model: torch.nn.Module, device: torch.device | str, weights: Weights) -> None:
+def materialize(
+    model: torch.nn.Module, device: torch.device | str, weights: Weights, parameters_on_host: bool = False
+) -> None:
     """Allocate `model`'s parameters (each rank's shards, when it is sharded) on `device`, in place, and fill them:
     the buffers as the model built them, the parameters from `weights.folder`'s safetensors (each rank its slices)
-    and, for what the files do not hold (LoRA adapters) or a random init, `initialize`.
+    and, for what the files do not hold (LoRA adapters) or a random init, `initialize`. `parameters_on_host`: the
+    parameters (shards) are allocated in host memory and only the buffers on `device` (FSDP2's `cpu_offload`, where
+    the shards live on the host: none is ever allocated on the device).
 
     Raises:
         AssetError: the folder holds no safetensors files, or its tensors do not match the model's parameters.
@@ -164,11 +170,13 @@ def materialize(model: torch.nn.Module, device: torch.device | str, weights: Wei
     """
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     shared = _shared_parameters(model)
-    model.to_empty(device=device)
+    model.to_empty(device="cpu" if parameters_on_host else device)
     _tie(model, shared)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[name])
+    if parameters_on_host:
+        _buffers_to(model, torch.device(device))
     if weights.folder is None:
         initialize(model, weights.seed)
         return
@@ -429,14 +437,23 @@ def _init_module(prefix: str, module: torch.nn.Module, owner: PreTrainedModel) -
 
 
 def _copy_slice(param: torch.Tensor, whole: torch.Tensor) -> None:
-    """Copy this rank's part of `whole` (the parameter's full value) into `param` (a DTensor's local shard, or the
-    plain tensor)."""
+    """Copy this rank's part of `whole` (the parameter's full value, on the host) into `param` (a DTensor's local
+    shard, or the plain tensor): the part is cut on the host by DTensor's own shard arithmetic (any nesting of
+    `Shard`, FSDP2's strided shards and `Replicate` holds a box of the whole), so only the shard reaches the device."""
     if isinstance(param, DTensor):
-        local = distribute_tensor(whole.to(param.device_mesh.device_type), param.device_mesh, param.placements,
-                                  src_data_rank=None)  # fmt: skip
-        param.to_local().copy_(local.to_local())
+        shape, offset = compute_local_shape_and_global_offset(whole.shape, param.device_mesh, param.placements)
+        param.to_local().copy_(whole[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
     else:
         param.copy_(whole)
+
+
+def _buffers_to(model: torch.nn.Module, device: torch.device) -> None:
+    """Move every buffer of `model` to `device`, one moved copy per buffer however many modules share it."""
+    moved: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[key] = moved.setdefault(id(buffer), buffer.to(device))
 
 
 def lora_init_supported(lora: dict | None) -> bool:

@@ -20,6 +20,7 @@ import torch
 from lit_packing.batch import INDEX
 from lit_packing.data import Chatterbot, PackingDataModule
 from lit_packing.data.tokenize import column
+from tests.helpers.launch import run_fit
 
 ROOT = Path(__file__).parents[2]
 MULTINODE = ("configs/gpu.yaml", "configs/multinode.yaml")  # a delta on the GPU config
@@ -110,9 +111,9 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.serial
 def test_kill_9_mid_epoch_with_workers_then_resume_is_exact(tmp_path, tiny_llama_config):
     (tmp_path / "recorder.py").write_text(RECORDER)
-    run = dict(cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=600)
+    run = dict(cwd=tmp_path, env=env(tmp_path), timeout=300)  # each launch takes < 60 s
     max_steps = ["--trainer.max_steps=14"]
-    alone = subprocess.run(fit_args(tmp_path, tiny_llama_config, "alone") + max_steps, **run)
+    alone = run_fit(fit_args(tmp_path, tiny_llama_config, "alone") + max_steps, **run)
     assert alone.returncode == 0, alone.stderr[-3000:]
     uninterrupted = records(tmp_path / "alone.jsonl.rank0")
     epochs = {r["epoch"] for r in uninterrupted}
@@ -136,7 +137,7 @@ def test_kill_9_mid_epoch_with_workers_then_resume_is_exact(tmp_path, tiny_llama
     assert any(r["step"] >= kill_at for r in killed)  # batches past the checkpoint were lost and must be redone
 
     resume = [f"--ckpt_path={checkpoint}"]
-    resumed = subprocess.run(fit_args(tmp_path, tiny_llama_config, "resumed") + max_steps + resume, **run)
+    resumed = run_fit(fit_args(tmp_path, tiny_llama_config, "resumed") + max_steps + resume, **run)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     trained_before = [r for r in killed if r["step"] < kill_at]
     assert [r["rows"] for r in trained_before + records(tmp_path / "resumed.jsonl.rank0")] == [
@@ -210,7 +211,7 @@ def test_two_node_launch_on_loopback_then_resume_on_one_process(tmp_path, tiny_l
     single = fit_args(tmp_path, tiny_llama_config, "single", configs=MULTINODE)
     single += ["--trainer.num_nodes=1", "--trainer.devices=1", "--trainer.max_epochs=1", *resumed,
                f"--ckpt_path={tmp_path / 'nodes' / 'step=2.ckpt'}"]  # fmt: skip
-    done = subprocess.run(single, cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=600)
+    done = run_fit(single, cwd=tmp_path, env=env(tmp_path), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     trained = Counter(row for rank in per_rank for r in rank for row in r["rows"])
     trained += Counter(row for r in records(tmp_path / "single.jsonl.rank0") for row in r["rows"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,67 @@ def test_the_random_init_is_the_same_whether_built_with_values_or_on_the_meta_de
     torch.manual_seed(SEED)
     built = PackedCausalLM(model_config=TINY_LLAMA, memory_check=False, isolation_check=False).model.state_dict()
     assert all(torch.equal(built[name], tensor) for name, tensor in expected.items())  # PackedCausalLM's own
+
+
+@pytest.mark.parametrize("layout", ["data", "data x tensor"])
+def test_a_random_init_under_a_gpu_mesh_with_host_shards_cuts_each_shard_on_the_host(layout):
+    """The shards of a GPU run's mesh kept in host memory (FSDP2's `cpu_offload`), seen from the last of 4 ranks (a
+    process group that never communicates): its shard of every parameter is cut from the one-process init on the
+    host and copied alone, so no whole parameter and no shard reaches the device (this machine has none: a
+    `.to("cuda")` of anything raises). Shards over data, and over data x tensor (FSDP2's strided rows over tensor
+    parallel's). One rank per process, as in a run: DTensor caches the layouts it has seen by the mesh's shape."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    config = AutoConfig.for_model(**{**TINY_LLAMA, "tie_word_embeddings": False})
+    whole = AutoModelForCausalLM.from_config(config)
+    initialize(whole, SEED)
+    expected = dict(whole.named_parameters())
+    shape = (4,) if layout == "data" else (2, 2)
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
+    try:
+        names = ("dp",) if layout == "data" else ("dp", "tp")
+        mesh = DeviceMesh("cuda", torch.arange(4).reshape(shape), mesh_dim_names=names, _init_backend=False)
+        sharded = AutoModelForCausalLM.from_config(config)
+        for module in sharded.modules():
+            for name, param in [(n, p) for n, p in module._parameters.items() if p is not None]:
+                if layout == "data":
+                    placements = (Shard(0),)
+                elif param.dim() == 2:  # rows over tensor parallel, then FSDP2's rows of those
+                    placements = (_StridedShard(0, split_factor=2), Shard(0))
+                else:
+                    placements = (Shard(0), Replicate())
+                spec = DTensorSpec(mesh, placements, TensorMeta(param.shape, param.stride(), param.dtype))
+                local, _ = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+                host = torch.full(local, math.nan)  # host memory, as cpu_offload keeps a shard
+                module._parameters[name] = torch.nn.Parameter(DTensor(host, spec, requires_grad=False))
+        initialize(sharded, SEED)
+        cpu_mesh = DeviceMesh("cpu", torch.arange(4).reshape(shape), mesh_dim_names=names, _init_backend=False)
+        for name, param in sharded.named_parameters():
+            cut = distribute_tensor(expected[name].detach(), cpu_mesh, param.placements, src_data_rank=None)
+            assert param.to_local().device.type == "cpu", name
+            assert cut.to_local().shape[0] < expected[name].shape[0], name  # a shard, not the whole
+            assert torch.equal(param.to_local(), cut.to_local()), name
+    finally:
+        dist.destroy_process_group()
+
+
+def test_parameters_kept_on_the_host_are_allocated_there_and_only_the_buffers_on_the_device():
+    """`cpu_offload`'s build: the parameters allocated and filled in host memory, the buffers (rotary frequencies)
+    placed on the run's device (here the meta device stands for it: nothing else is allocated there)."""
+    whole = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_LLAMA))
+    initialize(whole, SEED)
+    with deferred_weights():
+        meta = PackedCausalLM(model_config=TINY_LLAMA, memory_check=False).model
+    materialize(meta, "meta", Weights("tiny", None, SEED), parameters_on_host=True)
+    expected = dict(whole.named_parameters())
+    assert all(p.device.type == "cpu" and torch.equal(p, expected[n]) for n, p in meta.named_parameters())
+    assert all(b.is_meta for b in meta.buffers()) and meta.lm_head.weight is meta.model.embed_tokens.weight
 
 
 def test_lora_adapters_are_initialised_as_peft_does_kaiming_a_and_zero_b():

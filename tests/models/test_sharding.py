@@ -502,9 +502,10 @@ def test_kill_9_of_a_sharded_run_then_resume_is_exact_and_exports_one_folder(tmp
     from safetensors.torch import load_file
 
     from tests.cli.test_resume import RECORDER, env, fit_args, records
+    from tests.helpers.launch import run_fit
 
     (tmp_path / "recorder.py").write_text(RECORDER)
-    run = dict(cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=600)
+    run = dict(cwd=tmp_path, env=env(tmp_path), timeout=300)  # each launch takes < 60 s
 
     def args(name: str, *extra: str) -> list[str]:
         sharded = ("configs/quickstart.yaml", "configs/fsdp2.yaml")
@@ -515,7 +516,7 @@ def test_kill_9_of_a_sharded_run_then_resume_is_exact_and_exports_one_folder(tmp
                 "--trainer.devices=2", "--trainer.max_steps=6", *context,
                 f"--model.export_dir={tmp_path / name / 'export'}", *extra]  # fmt: skip
 
-    alone = subprocess.run(args("alone"), **run)
+    alone = run_fit(args("alone"), **run)
     assert alone.returncode == 0, alone.stderr[-3000:]
     victim = subprocess.Popen(args("killed"), start_new_session=True, **{k: run[k] for k in ("cwd", "env")},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
@@ -527,7 +528,7 @@ def test_kill_9_of_a_sharded_run_then_resume_is_exact_and_exports_one_folder(tmp
     os.killpg(victim.pid, signal.SIGKILL)  # every rank and loader worker, without warning
     victim.wait()
     assert (checkpoint / "meta.pt").exists()
-    resumed = subprocess.run(args("resumed", f"--ckpt_path={checkpoint}"), **run)
+    resumed = run_fit(args("resumed", f"--ckpt_path={checkpoint}"), **run)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     for rank in (0, 1):
@@ -547,7 +548,7 @@ def test_kill_9_of_a_sharded_run_then_resume_is_exact_and_exports_one_folder(tmp
     out = tmp_path / "converted"
     command = [sys.executable, "-m", "lit_packing", "export", "--ckpt_path", str(tmp_path / "alone" / "step=6.ckpt"),
                "--output", str(out), "--file_bytes", "3000000"]  # fmt: skip
-    converted = subprocess.run(command, **run)
+    converted = run_fit(command, **run)
     assert converted.returncode == 0, converted.stdout[-3000:] + converted.stderr[-3000:]
     files = sorted(out.glob("*.safetensors"))
     assert len(files) == 2 and (out / "model.safetensors.index.json").exists() and (out / "config.json").exists()
