@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from lit_packing.agree import agreed
 from lit_packing.errors import ConfigError, TrainingError
@@ -295,9 +296,9 @@ def _rows_on_rank0(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
 
 def _row_blocks(tensor: DTensor) -> list[tuple[int, int]] | None:
     """(owner's global rank, rows) of each distinct block of a tensor sharded by rows (every placement `Shard(0)`
-    or `Replicate`; nested left to right over the mesh's dimensions, each split as `torch.chunk` splits), in row
-    order, each held by the lowest rank that has it; None for any other placement (tensor parallel's columns,
-    FSDP2's strided shards over tensor parallel).
+    or `Replicate`), in row order, each held by the lowest rank that has it, the blocks cut by DTensor's own shard
+    arithmetic at every mesh coordinate; None for any other placement (tensor parallel's columns, FSDP2's strided
+    shards over tensor parallel).
 
     Raises:
         RuntimeError: this rank's own block is not the size the split gives (a placement this does not know).
@@ -306,31 +307,15 @@ def _row_blocks(tensor: DTensor) -> list[tuple[int, int]] | None:
     if tensor.dim() == 0 or not by_rows:
         return None
     mesh, owners = tensor.device_mesh, {}
-    splits = [size if type(p) is Shard else 1 for size, p in zip(mesh.shape, tensor.placements, strict=True)]
     for coordinate in itertools.product(*map(range, mesh.shape)):
-        start, stop = row_range(tensor.shape[0], splits, coordinate)
+        shape, offset = _compute_local_shape_and_global_offset(tensor.shape, mesh.shape, list(coordinate),
+                                                              tensor.placements)  # fmt: skip
+        start, stop = offset[0], offset[0] + shape[0]
         rank = int(mesh.mesh[coordinate])
         owners[(start, stop)] = min(rank, owners.get((start, stop), rank))
         if tuple(coordinate) == tuple(mesh.get_coordinate()) and stop - start != tensor.to_local().shape[0]:
             raise RuntimeError(f"a shard of {stop - start} rows expected, {tensor.to_local().shape[0]} held")
     return [(owner, stop - start) for (start, stop), owner in sorted(owners.items()) if stop > start]
-
-
-def row_range(rows: int, splits: list[int], coordinate: tuple[int, ...]) -> tuple[int, int]:
-    """The rows [start, stop) a mesh coordinate holds of a tensor split by rows over each mesh dimension in turn
-    (`splits[d]` ways: the mesh's size where it shards, 1 where it replicates), each split as `torch.chunk` splits
-    (blocks of ceil(rows / ways), the last ones short or empty).
-
-    >>> [row_range(10, [4], (at,)) for at in range(4)]
-    [(0, 3), (3, 6), (6, 9), (9, 10)]
-    >>> [row_range(6, [4], (at,)) for at in range(4)]
-    [(0, 2), (2, 4), (4, 6), (6, 6)]
-    """
-    start, stop = 0, rows
-    for ways, at in zip(splits, coordinate, strict=True):
-        step = -(-(stop - start) // ways)
-        start, stop = min(start + at * step, stop), min(start + (at + 1) * step, stop)
-    return start, stop
 
 
 def _check_finite_shards(model: torch.nn.Module, path: str) -> None:

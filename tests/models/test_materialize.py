@@ -9,7 +9,6 @@ anonymous memory sampled), beside the same load built whole on every rank first;
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import subprocess
@@ -23,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_packing.errors import AssetError, ConfigError
 from lit_packing.models import PackedCausalLM
-from lit_packing.models.export import SafetensorsStream, file_plan, row_range
+from lit_packing.models.export import SafetensorsStream, file_plan
 from lit_packing.models.materialize import (
     Weights,
     check_names,
@@ -268,16 +267,45 @@ def test_a_tensor_streamed_in_row_blocks_is_the_file_written_whole(tmp_path):
 
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 10, 32_001])
-@pytest.mark.parametrize("splits", [[1], [2], [4], [2, 2], [1, 4], [3, 1, 2]])
-def test_the_row_blocks_of_a_sharded_tensor_are_nested_chunks(rows, splits):
-    """As DTensor's `Shard(0)` splits over each mesh dimension in turn (`torch.chunk`), vocab not divisible too."""
-    for coordinate in itertools.product(*map(range, splits)):
-        held = torch.arange(rows)
-        for ways, at in zip(splits, coordinate):
-            pieces = held.chunk(ways)
-            held = pieces[at] if at < len(pieces) else held[:0]
-        start, stop = row_range(rows, splits, coordinate)
-        assert torch.equal(torch.arange(start, stop), held) or (start == stop and held.numel() == 0)
+@pytest.mark.parametrize("mesh_shape", [(1,), (2,), (4,), (2, 2), (1, 4), (3, 1, 2), (2, 3)])
+def test_the_row_blocks_of_a_sharded_tensor_are_nested_chunks_in_order(rows, mesh_shape):
+    """The export's blocks of a real DTensor sharded by rows (`Shard(0)` over every mesh dim, or replicated over the
+    first of several), seen from the mesh's last rank: in row order they cover every row once, each block being
+    what nested `torch.chunk`s give its owner's coordinate (vocab not divisible too), the owner the lowest rank
+    holding it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lit_packing.models.export import _row_blocks
+
+    ranks = math.prod(mesh_shape)
+    layouts = [(Shard(0),) * len(mesh_shape)] + ([(Replicate(),) + (Shard(0),) * (len(mesh_shape) - 1)]
+                                                 if len(mesh_shape) > 1 else [])  # fmt: skip
+    dist.init_process_group("fake", store=FakeStore(), rank=ranks - 1, world_size=ranks)
+    try:
+        grid = torch.arange(ranks).reshape(mesh_shape)
+        mesh = DeviceMesh("cpu", grid, mesh_dim_names=tuple(f"d{k}" for k in range(len(mesh_shape))),
+                          _init_backend=False)  # fmt: skip
+        for placements in layouts:
+            blocks = _row_blocks(distribute_tensor(torch.arange(float(rows)), mesh, placements, src_data_rank=None))
+            start = 0
+            for owner, size in blocks:
+                coordinate = [int(c[0]) for c in torch.nonzero(grid == owner, as_tuple=True)]
+                held = torch.arange(float(rows))
+                for ways, at, placement in zip(mesh_shape, coordinate, placements):
+                    if type(placement) is Shard:
+                        pieces = held.chunk(ways)
+                        held = pieces[at] if at < len(pieces) else held[:0]
+                    else:  # replicated: every rank along this dim holds it, the first owns it
+                        assert at == 0
+                assert torch.equal(held, torch.arange(float(start), start + size)), (placements, owner)
+                start += size
+            assert start == rows and all(size > 0 for _, size in blocks)
+            assert len({owner for owner, _ in blocks}) == len(blocks)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_stream_cut_short_leaves_no_file(tmp_path):
