@@ -91,8 +91,11 @@ class OnPolicyRollouts(Source):
             columns go to the reward functions.
         group_size: completions per prompt (G).
         prompts_per_round: prompts sampled each round, over all data-parallel ranks.
-        max_new_tokens: the generation limit of a completion (sampled at the objective's `temperature`, no top-k /
-            top-p cut: the stored log-probs are those of the distribution sampled from).
+        max_new_tokens: the generation limit of a completion (sampled at the objective's `temperature`).
+        top_k: sample from the k likeliest tokens only (0: all of them).
+        top_p: sample from the smallest set of tokens whose probability reaches p (1: all of them). Either cut
+            decides what is drawn; the log-probs stored and trained are the policy's over the whole vocabulary at
+            the objective's temperature (as TRL's), so the first step of a round has an importance ratio of 1.
         reward_funcs: import paths of reward functions, `(prompts, completions, **columns) -> list[float]`; a
             completion's reward is their sum.
         iterations: passes over each round's groups before the next round (TRL's `num_iterations`).
@@ -110,13 +113,16 @@ class OnPolicyRollouts(Source):
         iterations: int = 1,
         generation_batch: int = 8,
         seed: int = 0,
+        top_k: int = 0,
+        top_p: float = 1.0,
     ) -> None:
         from lit_packing.data.packaged import ArithmeticPrompts
 
         for name, value, low in (("group_size", group_size, 2), ("prompts_per_round", prompts_per_round, 1),
                                  ("max_new_tokens", max_new_tokens, 1), ("iterations", iterations, 1),
-                                 ("generation_batch", generation_batch, 1)):  # fmt: skip
+                                 ("generation_batch", generation_batch, 1), ("top_k", top_k, 0)):  # fmt: skip
             check_range(f"{_SETTING}.{name}", value, low)
+        check_range(f"{_SETTING}.top_p", top_p, 0.0, 1.0, low_open=True)
         self.prompts = prompts if prompts is not None else ArithmeticPrompts()
         self.group_size = group_size
         self.prompts_per_round = prompts_per_round
@@ -127,6 +133,7 @@ class OnPolicyRollouts(Source):
         self.iterations = iterations
         self.generation_batch = generation_batch
         self.seed = seed
+        self.top_k, self.top_p = top_k, top_p
 
     @property
     def fingerprint(self) -> str:
@@ -346,7 +353,7 @@ class RoundLoader:
                     groups = sample_groups(
                         model, self.tokenizer, prompts["prompt"], source.group_size, source.max_new_tokens,
                         _temperature(lm), seed=source.seed * 1_000_003 + number * 1_009 + rank,
-                        batch_prompts=source.generation_batch,
+                        batch_prompts=source.generation_batch, top_k=source.top_k, top_p=source.top_p,
                     )  # fmt: skip
             finally:
                 model.train(was_training)

@@ -7,8 +7,10 @@ the rows `GroupCollator` trains (and a JSON Lines file of them, `data.source` fo
 A prompt (a text, one user turn; or a list of chat messages) is rendered with the tokenizer's chat template and
 its generation prompt, exactly as tokenization renders a group's prompt, so the stored token ids continue the
 prompt the data module builds. A completion ends with the end-of-sequence token (kept: it is trained, as TRL
-trains it) or at `max_new_tokens`. Log-probs are of the sampling distribution, `log_softmax(logits / temperature)`
-with no top-k / top-p cut: at temperature 1, the policy's own log-probs when it sampled.
+trains it) or at `max_new_tokens`. Log-probs are the policy's when it sampled, `log_softmax(logits / temperature)`
+over the whole vocabulary, as the objective scores them: a top-k / top-p cut (`top_k`, `top_p`) decides which
+tokens can be drawn, not the log-probs stored (as TRL scores a policy sampled with a cut), so a first step on-policy
+has an importance ratio of exactly 1 either way.
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ def sample_groups(
     temperature: float = 1.0,
     seed: int = 0,
     batch_prompts: int = 8,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> list[dict]:
     """`group_size` sampled completions of each prompt: `[{"prompt", "completions" (token ids), "texts",
-    "behaviour_logps"}]`, `batch_prompts` prompts (x group_size sequences) per `generate` call."""
+    "behaviour_logps"}]`, `batch_prompts` prompts (x group_size sequences) per `generate` call; `top_k` (0: off) and
+    `top_p` (1: off) cut the tokens drawn from."""
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
@@ -48,13 +53,14 @@ def sample_groups(
         ids = torch.tensor([[pad] * (width - len(x)) + x for x in encoded], device=device)
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in encoded], device=device)
         out = model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-            max_new_tokens=max_new_tokens, num_return_sequences=group_size, output_scores=True,
+            input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
+            max_new_tokens=max_new_tokens, num_return_sequences=group_size, output_logits=True,
             return_dict_in_generate=True, pad_token_id=pad, eos_token_id=eos,
         )  # fmt: skip
         tokens = out.sequences[:, width:]  # (n * G, new)
-        steps = [s.float().log_softmax(-1).gather(-1, tokens[:, t, None]) for t, s in enumerate(out.scores)]
-        picked = torch.cat(steps, 1)  # (n * G, new): the sampler's log-probs, temperature applied
+        steps = [(s.float() / temperature).log_softmax(-1).gather(-1, tokens[:, t, None])
+                 for t, s in enumerate(out.logits)]  # fmt: skip
+        picked = torch.cat(steps, 1)  # (n * G, new): the policy's log-probs at `temperature`, before any cut
         for k, prompt in enumerate(chunk):
             completions, behaviour = [], []
             for row in range(k * group_size, (k + 1) * group_size):

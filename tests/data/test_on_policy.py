@@ -140,7 +140,8 @@ def test_the_packaged_prompts_are_the_packaged_rollouts_questions():
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [({"reward_funcs": ["no.such.reward"]}, "reward_funcs"), ({"group_size": 1}, "group_size"),
-     ({"iterations": 0}, "iterations")],
+     ({"iterations": 0}, "iterations"), ({"top_k": -1}, "top_k"), ({"top_p": 0.0}, "top_p"),
+     ({"top_p": 1.5}, "top_p")],
 )  # fmt: skip
 def test_bad_settings_are_named(kwargs, named):
     with pytest.raises(ConfigError, match=named):
@@ -189,3 +190,32 @@ def test_a_round_sampled_at_a_temperature_is_scored_at_it(tmp_path, monkeypatch,
     line = error_line(["fit", f"--model.name_or_path={model}", *COMMON, *source, "--trainer.max_steps=1",
                        f"--trainer.default_root_dir={tmp_path}"], capsys)  # fmt: skip
     assert line.startswith("error: on-policy step 1: the training forward scores the sampled tokens"), line
+
+
+@pytest.mark.parametrize("cut", [{"top_k": 1}, {"top_p": 1e-6}])
+def test_a_top_k_or_top_p_cut_decides_what_is_drawn_not_the_log_probs_stored(tmp_path, cut):
+    """Cut to the likeliest token (top-k 1, or a top-p no second token reaches), every completion of a prompt is the
+    greedy one; the log-probs stored are the policy's over the whole vocabulary at the temperature (what GRPO scores
+    them with), not the cut distribution's 0. Without a cut, the completions differ."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lit_packing.models.rollouts import sample_groups
+
+    folder = saved_tiny(tmp_path)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+    prompts = ["What is 2 + 3?", "What is 4 + 4?"]
+    groups = sample_groups(model, tokenizer, prompts, 4, 6, temperature=0.7, seed=1, **cut)
+    for group in groups:
+        assert all(c == group["completions"][0] for c in group["completions"])  # greedy: one answer, 4 times
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": group["prompt"]}], tokenize=False,
+                                                 add_generation_prompt=True)  # fmt: skip
+        prompt = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        completion = group["completions"][0]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+        assert torch.equal(logits.argmax(-1), torch.tensor(completion))
+        policy = (logits / 0.7).log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(group["behaviour_logps"][0]), policy, atol=2e-6, rtol=0)
+        assert all(logp < -1e-3 for logp in group["behaviour_logps"][0])  # not the cut distribution's log 1
+    free = sample_groups(model, tokenizer, prompts, 4, 6, temperature=0.7, seed=1)
+    assert any(len({tuple(c) for c in group["completions"]}) > 1 for group in free)
