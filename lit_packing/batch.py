@@ -64,13 +64,15 @@ CHOSEN_TOKENS = "chosen_tokens"
 PAIRS = "pairs"
 PROMPTS = "prompts"
 # Rollout groups (`GroupCollator`): a group item holds its prompt's tokens once, then its G completions'
-# (`COMPLETION_TOKENS`: each one's count), a reward per completion (`REWARDS`) or an advantage (`ADVANTAGES`), and
-# optionally the behaviour policy's log-probs of every completion token (`BEHAVIOUR_LOGPS`, flat). A batch of groups
+# (`COMPLETION_TOKENS`: each one's count), a reward per completion (`REWARDS`), an advantage per completion
+# (`ADVANTAGES`) or per completion token (`TOKEN_ADVANTAGES`, flat), and optionally the behaviour policy's log-probs
+# of every completion token (`BEHAVIOUR_LOGPS`, flat). A batch of groups
 # names each completion's segment (`COMPLETIONS` (C,) int64) and its group (`GROUPS` (C,) int64, 0..n-1 in the
 # batch); with shared prompts, `PROMPTS` (n,) the segment of each group's prompt, which its completions attend to.
 COMPLETION_TOKENS = "completion_tokens"
 REWARDS = "rewards"
 ADVANTAGES = "advantages"
+TOKEN_ADVANTAGES = "token_advantages"
 BEHAVIOUR_LOGPS = "behaviour_logps"
 COMPLETIONS = "completions"
 GROUPS = "groups"

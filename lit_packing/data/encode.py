@@ -27,6 +27,7 @@ from lit_packing.batch import (
     INPUT_IDS,
     LABELS,
     REWARDS,
+    TOKEN_ADVANTAGES,
     TRUNCATED_TOKENS,
 )
 from lit_packing.data.shapes import (
@@ -50,12 +51,12 @@ LABEL_TOKENS = "label_tokens"  # trained tokens of the example (labels != -100, 
 DROPPED = "dropped"  # "", "bad", "overlong" or "no_labels"
 # A preference pair is one row: its chosen sequence's `chosen_tokens` tokens, then its rejected one's (0: not a pair).
 # A rollout group is one row: its prompt's tokens once, then each completion's (`completion_tokens` of them), with a
-# reward (or advantage) per completion and, when the data has them, the behaviour log-probs of every completion token
-# (empty lists in every other row).
-GROUP_OUTPUTS = [COMPLETION_TOKENS, REWARDS, ADVANTAGES, BEHAVIOUR_LOGPS]
+# reward (or advantage) per completion or an advantage per completion token and, when the data has them, the
+# behaviour log-probs of every completion token (the per-token ones flat; empty lists in every other row).
+GROUP_OUTPUTS = [COMPLETION_TOKENS, REWARDS, ADVANTAGES, TOKEN_ADVANTAGES, BEHAVIOUR_LOGPS]
 OUTPUT_COLUMNS = [INPUT_IDS, LABELS, LENGTH, TRUNCATED_TOKENS, INDEX, LABEL_TOKENS, ROW, TOKEN_HASH, CHOSEN_TOKENS,
                   *GROUP_OUTPUTS]  # fmt: skip
-NO_GROUP = {COMPLETION_TOKENS: [], REWARDS: [], ADVANTAGES: [], BEHAVIOUR_LOGPS: []}
+NO_GROUP = {name: [] for name in GROUP_OUTPUTS}
 
 FEATURES = Features(
     {
@@ -71,6 +72,7 @@ FEATURES = Features(
         COMPLETION_TOKENS: List(Value("int32")),
         REWARDS: List(Value("float64")),
         ADVANTAGES: List(Value("float64")),
+        TOKEN_ADVANTAGES: List(Value("float64")),
         BEHAVIOUR_LOGPS: List(Value("float64")),
         DROPPED: Value("string"),
         PROBLEM: Value("string"),
@@ -293,8 +295,9 @@ def _fit_pair(ids: list[int], labels: list[int], split: int, max_length: int, ov
 
 
 def _fit_group(example: dict, ids: list, labels: list, sizes: list[int], max_length: int) -> dict[str, Any]:
-    """A group is one atom: longer than `max_length` it is dropped (or refused), never cut; an empty completion or
-    behaviour log-probs of another length than their completion's tokens make it a bad row."""
+    """A group is one atom: longer than `max_length` it is dropped (or refused), never cut; an empty completion, or
+    per-token advantages or behaviour log-probs of another length than their completion's tokens, make it a bad
+    row."""
     n = len(ids)
     row = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, DROPPED: "", PROBLEM: "", INPUT_IDS: [], LABELS: [], LENGTH: n,
            CHOSEN_TOKENS: 0, **NO_GROUP}  # fmt: skip
@@ -303,15 +306,16 @@ def _fit_group(example: dict, ids: list, labels: list, sizes: list[int], max_len
     empty = [i for i, size in enumerate(sizes) if not size]
     if empty:
         return {**row, DROPPED: "bad", PROBLEM: f"completions[{empty[0]}] has no token after the prompt"}
-    logps = example.get("behaviour_logps") or []
-    for i, (values, size) in enumerate(zip(logps, sizes)):
-        if len(values) != size:
-            problem = f"behaviour_logps[{i}] has {len(values)} values for its completion's {size} tokens"
-            return {**row, DROPPED: "bad", PROBLEM: problem}
+    per_token = {name: example.get(name) or [] for name in (TOKEN_ADVANTAGES, BEHAVIOUR_LOGPS)}
+    for name, lists in per_token.items():
+        for i, (values, size) in enumerate(zip(lists, sizes)):
+            if len(values) != size:
+                problem = f"{name}[{i}] has {len(values)} values for its completion's {size} tokens"
+                return {**row, DROPPED: "bad", PROBLEM: problem}
     return {
         **row, INPUT_IDS: ids, LABELS: labels, LABEL_TOKENS: sum(sizes), COMPLETION_TOKENS: sizes,
         REWARDS: list(example.get("rewards") or []), ADVANTAGES: list(example.get("advantages") or []),
-        BEHAVIOUR_LOGPS: [float(x) for values in logps for x in values],
+        **{name: [float(x) for values in lists for x in values] for name, lists in per_token.items()},
     }  # fmt: skip
 
 

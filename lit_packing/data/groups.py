@@ -6,9 +6,9 @@ gives a pair, for G completions).
                                       #            "rewards": [...]}, ...]
 
 A group item holds its prompt's tokens once, then its completions' (`completion_tokens` says how many each has),
-a reward per completion (or `advantages`), and optionally the sampler's log-probs of every completion token
-(`behaviour_logps`, flat). Every completion token is a label; the prompt's are not. One group of prompt [5, 6] and
-completions [7, 8] and [9]:
+a reward per completion (or `advantages` per completion, or `token_advantages` per completion token, flat), and
+optionally the sampler's log-probs of every completion token (`behaviour_logps`, flat). Every completion token is a
+label; the prompt's are not. One group of prompt [5, 6] and completions [7, 8] and [9]:
 
 >>> group = {"input_ids": [5, 6, 7, 8, 9], "completion_tokens": [2, 1], "rewards": [1.0, 0.0]}
 >>> batch = GroupCollator()([group])
@@ -24,7 +24,7 @@ Unshared (`share_prompt=False`), each completion is its own sequence, prompt inc
 ([0, 4, 7], [0, 1], [-100, -100, 7, 8, -100, -100, 9])
 
 A batch carries `rewards` (C,) float64 (or `advantages`), `groups` (C,) the group of each completion, and
-`behaviour_logps` (N,) in the order of the row's label tokens when every group has them.
+`token_advantages` and `behaviour_logps` (N,) in the order of the row's label tokens when every group has them.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from lit_packing.batch import (
     IGNORE_INDEX,
     INPUT_IDS,
     REWARDS,
+    TOKEN_ADVANTAGES,
 )
 from lit_packing.data.collate import PackedCollator, PlanSlots, as_array, host_entries, shared_row
 from lit_packing.errors import DataError
@@ -92,10 +93,10 @@ class GroupCollator:
         for key in (REWARDS, ADVANTAGES):
             if groups and all(key in group for group in groups):
                 batch[key] = torch.tensor([float(x) for group in groups for x in group[key]], dtype=torch.float64)
-        if groups and all(group.get(BEHAVIOUR_LOGPS) is not None for group in groups):
-            batch[BEHAVIOUR_LOGPS] = torch.tensor(
-                np.concatenate([np.asarray(group[BEHAVIOUR_LOGPS], dtype=np.float64) for group in groups])
-            )
+        for key in (TOKEN_ADVANTAGES, BEHAVIOUR_LOGPS):
+            if groups and all(group.get(key) is not None for group in groups):
+                values = [np.asarray(group[key], dtype=np.float64) for group in groups]
+                batch[key] = torch.tensor(np.concatenate(values))
         batch.update(host)
         return batch
 
@@ -116,8 +117,9 @@ def _group_parts(group: dict[str, Any]) -> tuple[np.ndarray, list[np.ndarray]]:
     for key in (REWARDS, ADVANTAGES):
         if key in group and len(group[key]) != len(sizes):
             raise DataError(f"a group of {len(sizes)} completions has {len(group[key])} {key}")
-    logps = group.get(BEHAVIOUR_LOGPS)
-    if logps is not None and len(logps) != sum(sizes):
-        raise DataError(f"a group of {sum(sizes)} completion tokens has {len(logps)} behaviour_logps")
+    for key in (TOKEN_ADVANTAGES, BEHAVIOUR_LOGPS):
+        values = group.get(key)
+        if values is not None and len(values) != sum(sizes):
+            raise DataError(f"a group of {sum(sizes)} completion tokens has {len(values)} {key}")
     ends = np.cumsum([prompt, *sizes])
     return ids[:prompt], [ids[a:b] for a, b in zip(ends[:-1], ends[1:])]

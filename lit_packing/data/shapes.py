@@ -6,7 +6,8 @@ Shapes (columns), detected by `example_shape`:
 
     preference         prompt, chosen, rejected: each a str or a list of messages (TRL's preference layout)
     group              prompt (str or messages), completions: [str or token ids, ...], rewards: [float, ...] (or
-                       advantages), optional behaviour_logps: [[float per completion token], ...] (rollout groups)
+                       advantages: [float, ...], or token_advantages: [[float per completion token], ...]),
+                       optional behaviour_logps: [[float per completion token], ...] (rollout groups)
     chat               messages: [{"role": "system" | "user" | "assistant", "content": str}, ...]
     prompt_completion  prompt: str, completion: str
     text               text: str
@@ -39,9 +40,10 @@ SHAPE_COLUMNS = {
     TEXT: ("text",),
 }
 ROLES = ("system", "user", "assistant")
-# A rollout group's columns besides its shape's: a score per completion (one of the first two) and the sampler's
-# log-probs of each completion's tokens.
-GROUP_COLUMNS = ("rewards", "advantages", "behaviour_logps")
+# A rollout group's columns besides its shape's: a score per completion (rewards or advantages) or per completion
+# token (token_advantages), and the sampler's log-probs of each completion's tokens.
+GROUP_COLUMNS = ("rewards", "advantages", "token_advantages", "behaviour_logps")
+PER_TOKEN = ("token_advantages", "behaviour_logps")  # a list of numbers per completion, one per token
 # Optional columns a source may add: the row as the user counts it (a file's line number), and why a row it could
 # not read is bad (empty for good rows). `tokenize_dataset` reads both.
 LINE = "_line"
@@ -177,19 +179,21 @@ def _group_problem(example: dict) -> str:
             problem = f"completions[{i}] holds something that is no token id"
         if problem:
             return problem
-    scores = [name for name in ("rewards", "advantages") if example.get(name) not in (None, [])]
+    scores = [name for name in ("rewards", "advantages", "token_advantages") if example.get(name) not in (None, [])]
     if not scores:
         return "no rewards (or advantages): give one per completion"
     for name in scores:
-        problem = _numbers_problem(name, example[name], len(completions))
+        problem = "" if name in PER_TOKEN else _numbers_problem(name, example[name], len(completions))
         if problem:
             return problem
-    logps = example.get("behaviour_logps")
-    if logps not in (None, []):
-        if not isinstance(logps, list) or len(logps) != len(completions):
-            return f"behaviour_logps is {_kind(logps)}, not one list per completion ({len(completions)})"
-        for i, values in enumerate(logps):
-            problem = _numbers_problem(f"behaviour_logps[{i}]", values, None)
+    for name in PER_TOKEN:
+        values = example.get(name)
+        if values in (None, []):
+            continue
+        if not isinstance(values, list) or len(values) != len(completions):
+            return f"{name} is {_kind(values)}, not one list per completion ({len(completions)})"
+        for i, numbers in enumerate(values):
+            problem = _numbers_problem(f"{name}[{i}]", numbers, None)
             if problem:
                 return problem
     return ""

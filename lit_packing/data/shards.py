@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from lit_packing.data.shapes import (
     CHAT,
     GROUP,
+    GROUP_COLUMNS,
     LINE,
     PREFERENCE,
     PROBLEM,
@@ -195,14 +196,13 @@ def _group_row(record: dict, problem: str) -> dict:
     """A rollout group as Arrow holds it: text completions in `completions` ("" where ids are given), token-id ones in
     `completion_ids` ([] where text is), absent scores and log-probs as empty lists."""
     if problem:
-        return {"prompt": [], "completions": [], "completion_ids": [], "rewards": [], "advantages": [],
-                "behaviour_logps": []}  # fmt: skip
+        return {"prompt": [], "completions": [], "completion_ids": [], **{name: [] for name in GROUP_COLUMNS}}
     completions = record["completions"]
     return {
         "prompt": _turns(as_messages(record["prompt"], "user")),
         "completions": [c if isinstance(c, str) else "" for c in completions],
         "completion_ids": [[] if isinstance(c, str) else c for c in completions],
-        **{name: record.get(name) or [] for name in ("rewards", "advantages", "behaviour_logps")},
+        **{name: record.get(name) or [] for name in GROUP_COLUMNS},
     }
 
 

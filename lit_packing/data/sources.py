@@ -148,6 +148,7 @@ _SHAPE_FEATURES = {
         "completion_ids": List(List(Value("int64"))),
         "rewards": List(Value("float64")),
         "advantages": List(Value("float64")),
+        "token_advantages": List(List(Value("float64"))),
         "behaviour_logps": List(List(Value("float64"))),
     },  # fmt: skip
 }

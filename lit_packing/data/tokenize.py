@@ -45,6 +45,8 @@ from lit_packing.batch import (
     INDEX,
     INPUT_IDS,
     LABELS,
+    REWARDS,
+    TOKEN_ADVANTAGES,
     TRUNCATED_TOKENS,
     Pack,
 )
@@ -69,7 +71,8 @@ from lit_packing.text import count
 log = logging.getLogger(__name__)
 
 # Bump when the tokens or labels this module or `encode` produces change: every cached tokenization is rebuilt.
-TOKENIZE_VERSION = "4"  # 3: the chosen_tokens column (preference pairs); 4: rollout groups' columns
+TOKENIZE_VERSION = "5"  # 3: the chosen_tokens column (preference pairs); 4: rollout groups' columns; 5: per-token
+# advantages
 
 Overlong = Literal["truncate", "drop", "error"]
 TrainOn = Literal["completion", "all"]
@@ -304,10 +307,9 @@ class TokenizedDataset(torch.utils.data.Dataset):
             item[CHOSEN_TOKENS] = row.column(CHOSEN_TOKENS)[0].as_py()
         if self.groups and start == 0 and stop is None:  # as for pairs: a slice of a group is no group
             item.update({name: row.column(name)[0].as_py() for name in GROUP_OUTPUTS})
-            if not item[BEHAVIOUR_LOGPS]:
-                del item[BEHAVIOUR_LOGPS]
-            if not item[ADVANTAGES]:
-                del item[ADVANTAGES]
+            for name in (BEHAVIOUR_LOGPS, REWARDS, ADVANTAGES, TOKEN_ADVANTAGES):  # absent from the data: absent here
+                if not item[name]:
+                    del item[name]
         return item
 
     def __getitems__(self, keys: list) -> list[dict[str, Any]]:

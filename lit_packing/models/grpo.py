@@ -221,12 +221,13 @@ def grpo_loss(
     settings: GRPOSettings,
     behaviour: torch.Tensor | None = None,
     reference: torch.Tensor | None = None,
+    per_token: bool = False,
 ) -> GRPOParts:
     """The micro-batch's loss sum and metric sums (see the module docstring).
 
     Args:
         policy: the policy's completion-token log-probs (with gradient).
-        advantages: (C,) one per completion.
+        advantages: (C,) one per completion, or with `per_token` (N,) one per completion token.
         settings: the loss's settings.
         behaviour: (N,) the behaviour policy's log-probs per completion token; None: on-policy (ratio 1).
         reference: (N,) the reference's log-probs per completion token (needed when `beta` > 0).
@@ -242,7 +243,8 @@ def grpo_loss(
     if sequence:  # GSPO: one ratio per completion, its mean token log-ratio's exponential
         log_ratio = (per_completion(log_ratio) / tokens.clamp_min(1))[which]
     ratio = log_ratio.exp()
-    losses, clipped = _surrogate(ratio, advantages.to(pi.dtype)[which], pi, settings)
+    advantages = advantages.to(pi.dtype) if per_token else advantages.to(pi.dtype)[which]
+    losses, clipped = _surrogate(ratio, advantages, pi, settings)
     n_tokens = torch.tensor(float(len(pi)), dtype=torch.float64, device=pi.device)
     completions = torch.tensor(float(count), dtype=torch.float64, device=pi.device)
     metrics = {  # clip fractions over tokens, or (GSPO) over completions, as TRL logs them

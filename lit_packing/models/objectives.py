@@ -21,8 +21,18 @@ from typing import Any
 
 import torch
 
-from lit_packing.batch import ADVANTAGES, BEHAVIOUR_LOGPS, COMPLETIONS, GROUPS, LABELS, PAIRS, REWARDS, ROUND
-from lit_packing.errors import ConfigError, TrainingError
+from lit_packing.batch import (
+    ADVANTAGES,
+    BEHAVIOUR_LOGPS,
+    COMPLETIONS,
+    GROUPS,
+    LABELS,
+    PAIRS,
+    REWARDS,
+    ROUND,
+    TOKEN_ADVANTAGES,
+)
+from lit_packing.errors import ConfigError, DataError, TrainingError
 from lit_packing.models.grpo import GRPOSettings, batch_advantages, completion_logps, group_advantages, grpo_loss
 from lit_packing.models.loss import LossNormalization, LossParts, causal_lm_loss, eval_sums
 from lit_packing.models.preference import (
@@ -199,19 +209,24 @@ class GRPO(Objective):
         temperature = self.settings.temperature
         policy = completion_logps(lm.loss_outputs(batch), batch, temperature)
         device = policy.logps.device
-        if ADVANTAGES in batch:
+        if TOKEN_ADVANTAGES in batch:  # the data's, per completion token
+            advantages = batch[TOKEN_ADVANTAGES].to(device)
+        elif ADVANTAGES in batch:
             advantages = batch[ADVANTAGES].to(device)
         elif self.settings.scale_rewards == "batch" and len(batch[COMPLETIONS]):
             raise ConfigError("scale_rewards", "batch divides by the reward std of the whole generation batch, which "
                               "stored rollouts do not mark", "use it on-policy (data.source: OnPolicyRollouts), store "
                               "advantages, or use group")  # fmt: skip
-        else:
+        elif REWARDS in batch:
             advantages = group_advantages(batch[REWARDS].to(device), batch[GROUPS].to(device), self.settings)
+        else:
+            raise DataError("a micro-batch holds groups scored by different columns (rewards, advantages, "
+                            "token_advantages): give every group of the data the same one")  # fmt: skip
         behaviour = batch[BEHAVIOUR_LOGPS].to(device) if BEHAVIOUR_LOGPS in batch else None
         reference = None
         if self.needs_reference:
             reference = reference_forward(lm, batch, lambda outputs, b: completion_logps(outputs, b, temperature).logps)
-        parts = grpo_loss(policy, advantages, self.settings, behaviour, reference)
+        parts = grpo_loss(policy, advantages, self.settings, behaviour, reference, TOKEN_ADVANTAGES in batch)
         # On the first step of an on-policy round the policy that sampled trains: its log-probs must be the
         # sampler's (ratio 1). (sum |difference|, tokens) there, (0, 0) elsewhere: every micro-batch has the metric.
         zero = policy.logps.new_zeros((), dtype=torch.float64)

@@ -25,6 +25,7 @@ from lit_packing.batch import (
     REWARDS,
     ROWS,
     STEP,
+    TOKEN_ADVANTAGES,
 )
 from lit_packing.data import GroupCollator, HFDataset, PackedCollator, PackingDataModule
 from lit_packing.data.tokenize import TokenizedDataset, tokenize_dataset
@@ -104,6 +105,39 @@ def test_bad_groups_are_named_by_line(tmp_path, tokenizer):
             tokenize_dataset(data.select([problems[problem] - 1]), tokenizer, max_length=512, overlong="drop")
     with pytest.raises(ConfigError, match="truncate would cut rollout groups apart"):
         tokenize_dataset(data.select([0]), tokenizer, max_length=512, overlong="truncate")
+
+
+def test_advantages_per_token_reach_the_batch_in_label_order_and_bad_lengths_are_named(tmp_path, tokenizer):
+    """A group may give an advantage per completion token (`token_advantages`, one list per completion) instead of
+    rewards: tokenized flat beside the completions, collated in the order of the row's label tokens (after the
+    behaviour log-probs' pattern); a list of another length than its completion's tokens is a bad row, named."""
+    token_ids = [[17, 18, 19], [20]]
+    advantages = [[0.5, -1.0, 2.0], [-0.25]]
+    rows = [
+        {"prompt": "What is 1 plus 1?", "completions": token_ids, "token_advantages": advantages,
+         BEHAVIOUR_LOGPS: [[-0.5, -1.0, -0.25], [-2.0]]},
+        {"prompt": "What is 2 plus 2?", "completions": [[21], [22, 23]], "token_advantages": [[1.0], [3.0, 4.0]]},
+        {"prompt": "What is 3 plus 3?", "completions": [[24], [25]], "token_advantages": [[1.0], [3.0, 4.0]]},
+        {"prompt": "What is 4 plus 4?", "completions": [[24], [25]], "token_advantages": [[1.0]]},
+    ]  # fmt: skip
+    source = HFDataset(write_jsonl(tmp_path / "groups.jsonl", rows), split="train")
+    data = source.load(str(tmp_path / "c"))
+    kept, report = tokenize_dataset(data, tokenizer, max_length=512, overlong="drop", on_bad_row="skip",
+                                    row_name=source.row_name)  # fmt: skip
+    assert len(kept) == 2 and report.bad_examples == 2
+    items = TokenizedDataset(kept)
+    assert items[0][TOKEN_ADVANTAGES] == [0.5, -1.0, 2.0, -0.25] and REWARDS not in items[0]
+    batch = GroupCollator()([items[0], items[1]])
+    labels = batch[LABELS][0][batch[LABELS][0] != IGNORE_INDEX].tolist()
+    assert labels == [17, 18, 19, 20, 21, 22, 23]
+    assert batch[TOKEN_ADVANTAGES].tolist() == [0.5, -1.0, 2.0, -0.25, 1.0, 3.0, 4.0]
+    for line, problem in ((3, "token_advantages[1] has 2 values for its completion's 1 tokens"),
+                          (4, "token_advantages is a list ([[1.0]]), not one list per completion (2)")):  # fmt: skip
+        with pytest.raises(DataError, match=re.escape(problem)) as raised:
+            tokenize_dataset(data.select([line - 1]), tokenizer, max_length=512, overlong="drop")
+        assert "\n" not in str(raised.value) and f"row {line} " in str(raised.value)
+    with pytest.raises(DataError, match="a group of 4 completion tokens has 3 token_advantages"):
+        GroupCollator()([{**items[0], TOKEN_ADVANTAGES: [0.0] * 3}])
 
 
 def test_collators_of_other_items_refuse_groups(tmp_path, tokenizer):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks.grpo_throughput import padded as padded_groups
-from lit_packing.batch import BEHAVIOUR_LOGPS, STEP, Pack, attach_step, model_inputs, step_totals
+from lit_packing.batch import BEHAVIOUR_LOGPS, STEP, TOKEN_ADVANTAGES, Pack, attach_step, model_inputs, step_totals
 from lit_packing.data.groups import GroupCollator
 from lit_packing.errors import ConfigError, DataError
 from lit_packing.models.grpo import (
@@ -94,10 +94,12 @@ def step_loss(model, groups, settings, splits, share=True, reference=None):
     total = 0.0
     for batch in batches:
         policy = logps_of(model, batch)
-        advantages = group_advantages(batch["rewards"], batch["groups"], settings)
+        per_token = TOKEN_ADVANTAGES in batch  # the data's advantages per completion token, as GRPO takes them
+        advantages = batch[TOKEN_ADVANTAGES] if per_token else group_advantages(batch["rewards"], batch["groups"],
+                                                                                 settings)  # fmt: skip
         behaviour = batch.get(BEHAVIOUR_LOGPS)
         ref = None if reference is None else logps_of(reference, batch).logps.detach()
-        parts = grpo_loss(policy, advantages, settings, behaviour, ref)
+        parts = grpo_loss(policy, advantages, settings, behaviour, ref, per_token)
         loss = parts.loss_sum / batch[STEP][settings.normalizer]
         loss.backward()
         total += float(loss)
@@ -149,6 +151,36 @@ def test_the_packed_loss_and_gradients_equal_trls(loss_type, level, beta, share)
     assert ("kl" in parts.metrics) == bool(beta)
     if loss_type != "cispo":
         assert 0 < trl_metrics["clip_ratio/region_mean"] < 1  # the behaviour log-probs make the clip matter
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "cispo"])
+def test_advantages_per_token_give_trls_loss_and_gradients_on_any_split(loss_type, level):
+    """Advantages given per completion token (`token_advantages`) instead of rewards: TRL's `GRPOTrainer` takes a
+    (B, T) advantage as it is; fp64, off-policy, each prompt once, as one micro-batch and as 2 x 2 and 4 x 1."""
+    from benchmarks.trl_grpo import trl_grpo_loss_and_metrics
+
+    policy = packed_model(CONFIG, seed=0).double()
+    trl_model = tiny_model(CONFIG, seed=0).double()
+    settings = settings_for(loss_type, level)
+    gen = torch.Generator().manual_seed(5)
+    groups = [{**g, TOKEN_ADVANTAGES: torch.randn(sum(g["completion_tokens"]), generator=gen).double().tolist()}
+              for g in with_behaviour(policy, make_groups(ORACLE_SHAPES))]  # fmt: skip
+    runs = {splits: step_loss(policy, groups, settings, splits) for splits in (1, 2, 4)}
+    padded = padded_groups(groups, settings, torch.float64)
+    flat = torch.tensor([a for g in groups for a in g[TOKEN_ADVANTAGES]], dtype=torch.float64)
+    padded["advantages"] = _as_padded(flat, groups, padded["completion_ids"].shape[1])
+    trl_loss, _ = trl_grpo_loss_and_metrics(
+        trl_model, **padded, loss_type=loss_type, epsilon=0.2, epsilon_high=settings.epsilon_high,
+        importance_sampling_level=level, max_completion_length=MAX_COMPLETION, full_precision_logps=True,
+    )  # fmt: skip
+    trl_loss.backward()
+    trl_grads = {n: p.grad for n, p in trl_model.named_parameters() if p.grad is not None}
+    for splits, (loss, grads) in runs.items():
+        assert loss == pytest.approx(float(trl_loss), rel=1e-10, abs=1e-13), splits
+        assert_grads_close(grads, trl_grads, True, f"{splits} micro-batches")
+    from_rewards = [{**g, TOKEN_ADVANTAGES: None} for g in groups]  # without them: the rewards' advantages
+    assert runs[1][0] != pytest.approx(step_loss(policy, from_rewards, settings, 1)[0], rel=1e-6)
 
 
 def _as_padded(flat, groups, width):
