@@ -6,6 +6,7 @@ paper's config through the CLI."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -518,15 +519,21 @@ def test_kill_9_of_a_sharded_run_then_resume_is_exact_and_exports_one_folder(tmp
 
     alone = run_fit(args("alone"), **run)
     assert alone.returncode == 0, alone.stderr[-3000:]
+    log = open(tmp_path / "killed.log", "w")  # noqa: SIM115 (the victim's output, read if it ends by itself)
     victim = subprocess.Popen(args("killed"), start_new_session=True, **{k: run[k] for k in ("cwd", "env")},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                              stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     checkpoint = tmp_path / "killed" / "step=4.ckpt"
     deadline = time.monotonic() + 400
-    while not (checkpoint / "meta.pt").exists() and victim.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)  # meta.pt: rank 0 writes it after every rank's shards
-    time.sleep(1.0)  # let it train (and prefetch) past the checkpoint
-    os.killpg(victim.pid, signal.SIGKILL)  # every rank and loader worker, without warning
+    past = lambda: all(any(r["step"] >= 4 for r in records(tmp_path / f"killed.jsonl.rank{rank}"))  # noqa: E731
+                       for rank in (0, 1))  # fmt: skip
+    while not ((checkpoint / "meta.pt").exists() and past()) and victim.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # meta.pt: rank 0 writes it after every rank's shards; then each rank trains past it
+    ended = victim.poll()  # >= 3 micro-batches of 0.3 s left: still running
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(victim.pid, signal.SIGKILL)  # every rank and loader worker, without warning
     victim.wait()
+    log.close()
+    assert ended is None, f"the run ended by itself (status {ended}):\n" + (tmp_path / "killed.log").read_text()[-6000:]
     assert (checkpoint / "meta.pt").exists()
     resumed = run_fit(args("resumed", f"--ckpt_path={checkpoint}"), **run)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
