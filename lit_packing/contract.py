@@ -29,23 +29,29 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class PairSplit:
-    """One split's preference pairs, for reference log-probabilities computed once ahead of training
-    (`model.reference: precomputed`, `lit_packing.models.reference`).
+class ReferenceSplit:
+    """One split's preference pairs or rollout groups, for reference log-probabilities computed once ahead of
+    training (`model.reference: precomputed`, `lit_packing.models.reference`).
 
     Attributes:
         fingerprint: the split's tokenized data (source, tokenizer, settings, split, limit): it keys the cache.
         folder: the tokenized data's cache folder, where the table is cached beside it; None for data held in
             memory only (computed every fit).
-        pairs: how many pairs the split holds.
-        loader: this rank's share of the pairs, packed and collated as validation packs them (every rank gets as
-            many batches: a sharded model's forwards stay matched).
+        items: how many pairs (or groups) the split holds.
+        loader: this rank's share of them, packed and collated as validation packs them (every rank gets as many
+            batches: a sharded model's forwards stay matched).
+        groups: rollout groups (else preference pairs).
     """
 
     fingerprint: str
     folder: str | None
-    pairs: int
+    items: int
     loader: Callable[[], Iterable[Any]]
+    groups: bool = False
+
+    @property
+    def kind(self) -> str:
+        return "groups" if self.groups else "pairs"
 
 
 @dataclass(frozen=True)
@@ -64,8 +70,8 @@ class DataContract:
         overlap_examples: validation examples whose tokens equal a training example's.
         sources: a stream's sources as `(name, weight)`, for the share of each in the trained tokens; empty for
             the cached path.
-        pair_split: `train`, `val` or `test` -> that split's preference pairs (`PairSplit`), None where it holds
-            none; None for a stream.
+        reference_split: `train`, `val` or `test` -> that split's stored preference pairs or rollout groups
+            (`ReferenceSplit`), None where it holds none; None for a stream.
     """
 
     tokenizer: Any
@@ -75,7 +81,7 @@ class DataContract:
     report: TokenizationReport | None = None
     overlap_examples: int = 0
     sources: tuple[tuple[str, float], ...] = ()
-    pair_split: Callable[[str], PairSplit | None] | None = None
+    reference_split: Callable[[str], ReferenceSplit | None] | None = None
 
 
 @dataclass(frozen=True)

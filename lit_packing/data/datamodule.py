@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, Sampler
 from lit_packing._compat import data_parallel, dataset_fingerprint, set_accumulate_grad_batches, trained_batches
 from lit_packing.assets import resolve_pretrained
 from lit_packing.batch import StepShape
-from lit_packing.contract import DataContract, ModelContract, PairSplit
+from lit_packing.contract import DataContract, ModelContract, ReferenceSplit
 from lit_packing.data.cached import CachedFeed, check_val_split
 from lit_packing.data.collate import PackedCollator, PaddedCollator, PairCollator
 from lit_packing.data.feed import Feed, FeedSettings, data_loader, named_settings, pad_token_id, require
@@ -289,7 +289,7 @@ class PackingDataModule(LightningDataModule):
                 trainer.callbacks.append(self.feed)
         if self.contract is None:
             self.contract = dataclasses.replace(
-                self.feed.publish(stage, self.tokenizer, trainer), pair_split=self._pair_split
+                self.feed.publish(stage, self.tokenizer, trainer), reference_split=self._reference_split
             )
 
     def teardown(self, stage: str) -> None:
@@ -398,16 +398,19 @@ class PackingDataModule(LightningDataModule):
         with named_settings(component):
             return factory(np.zeros(0, dtype=np.int64))
 
-    def _pair_split(self, split: str) -> PairSplit | None:
-        """A split's preference pairs (`train`, `val`, `test`), for reference log-probabilities computed once
-        (`model.reference: precomputed`): packed as validation packs them, cached beside its tokenized data."""
+    def _reference_split(self, split: str) -> ReferenceSplit | None:
+        """A split's stored preference pairs or rollout groups (`train`, `val`, `test`), for reference
+        log-probabilities computed once (`model.reference: precomputed`): packed as validation packs them, cached
+        beside its tokenized data. None for on-policy rounds (sampled during the fit)."""
+        if isinstance(self.feed, OnPolicyFeed):
+            return None
         dataset = {"train": self.train_dataset, "val": self.val_dataset, "test": self.test_dataset}[split]
-        if dataset is None or not dataset.pairs:
+        if dataset is None or not (dataset.pairs or dataset.groups):
             return None
         files = dataset.dataset.cache_files
         folder = str(Path(files[0]["filename"]).parent) if files else None
         loader = functools.partial(self._eval_loader, dataset)
-        return PairSplit(dataset_fingerprint(dataset.dataset), folder, len(dataset), loader)
+        return ReferenceSplit(dataset_fingerprint(dataset.dataset), folder, len(dataset), loader, dataset.groups)
 
     def _eval_loader(self, dataset: TokenizedDataset) -> DataLoader:
         """Whole, isolated examples in a fixed order: `val_sampler` / `val_collator`, else the training ones."""

@@ -192,7 +192,8 @@ class PackedCausalLM(LightningModule):
             self.model, self.packing, self.frozen_copies = build_models(self.hparams, self._deferred,
                                                                       needs and reference == "copy")  # fmt: skip
             # reference=precomputed: tables computed or read at fit start, keyed by the initial weights' identity.
-            self.precomputed = PrecomputedReference(name_or_path) if needs and reference == "precomputed" else None
+            precomputed = needs and reference == "precomputed"
+            self.precomputed = PrecomputedReference(name_or_path, self.objective.temperature) if precomputed else None
             if self.precomputed is not None and not self._deferred:  # a deferred model's once filled
                 self.precomputed.initial_weights = weights_fingerprint(self.model)
             self._init_state()

@@ -58,12 +58,14 @@ class Objective:
             `label_tokens` or `sequences` (items with a label: examples, pairs, or a group's completions).
         needs_reference: whether a reference model's log-probs enter the loss (`model.reference` says where from).
         reference_keys: the reference settings this objective takes (`precomputed`, `copy`, `lora`).
+        temperature: log-probs are of logits / temperature (GRPO's; 1 for the others)
         eval_metrics: what `evaluate`'s accuracy is logged as (`<stage>/<name>`); `perplexity` is exp(loss).
     """
 
     normalizer: str = "label_tokens"
     needs_reference: bool = False
     reference_keys: tuple[str, ...] = REFERENCES
+    temperature: float = 1.0  # the log-probs' (GRPO's sampling temperature): a precomputed reference's too
     eval_metrics: tuple[str, ...] = ("perplexity", "token_accuracy")
 
     def check(self, reference: str, lora: dict | None) -> None:
@@ -164,8 +166,9 @@ class Preference(Objective):
 
 class GRPO(Objective):
     """Policy gradient on packed rollout groups (GRPO and its relatives: `grpo.py`), each prompt run once
-    (data.collator `GroupCollator`); TRL's `GRPOTrainer` settings and meanings. The reference (`beta` > 0) is a
-    frozen copy (`model.reference: copy`) or the model with its adapter off (`lora`). Logs `train/reward`,
+    (data.collator `GroupCollator`); TRL's `GRPOTrainer` settings and meanings. The reference (`beta` > 0) is
+    precomputed once on stored rollouts (`model.reference: precomputed`, per completion token), a frozen copy
+    (`copy`) or the model with its adapter off (`lora`); on-policy rounds take `copy` or `lora`. Logs `train/reward`,
     `train/advantage`, `train/kl`, `train/entropy`, `train/completion_length` and the clip fractions.
 
     Args:
@@ -182,7 +185,6 @@ class GRPO(Objective):
             sampled at it; stored rollouts' `behaviour_logps` must be of the same.
     """
 
-    reference_keys = ("copy", "lora")
     eval_metrics = ()
 
     def __init__(
@@ -201,8 +203,9 @@ class GRPO(Objective):
                                      max_completion_length, advantages, scale_rewards, temperature)  # fmt: skip
         self.normalizer = self.settings.normalizer
         self.needs_reference = beta > 0
+        self.temperature = temperature
 
-    def parts(self, lm, batch):
+    def parts(self, lm, batch, stage: str = "train"):
         """The loss parts of a group batch, the completions' advantages, and the policy's distance from the sampler
         on an on-policy round's first step (`check_step`)."""
         check_batch(self, batch, COMPLETIONS)
@@ -224,7 +227,9 @@ class GRPO(Objective):
                             "token_advantages): give every group of the data the same one")  # fmt: skip
         behaviour = batch[BEHAVIOUR_LOGPS].to(device) if BEHAVIOUR_LOGPS in batch else None
         reference = None
-        if self.needs_reference:
+        if self.needs_reference and lm.precomputed is not None:
+            reference = lm.precomputed.lookup_groups(stage, batch, policy)
+        elif self.needs_reference:
             reference = reference_forward(lm, batch, lambda outputs, b: completion_logps(outputs, b, temperature).logps)
         parts = grpo_loss(policy, advantages, self.settings, behaviour, reference, TOKEN_ADVANTAGES in batch)
         # On the first step of an on-policy round the policy that sampled trains: its log-probs must be the
@@ -248,7 +253,7 @@ class GRPO(Objective):
         return LossParts(loss, parts.units, loss.detach(), parts.units.detach()), metrics
 
     def evaluate(self, lm, batch, stage):
-        parts, _, _ = self.parts(lm, batch)
+        parts, _, _ = self.parts(lm, batch, stage)
         return parts.loss_sum, parts.units, parts.units.new_zeros(())
 
     def round_advantages(self, rows: list[dict]) -> list[list[float]] | None:

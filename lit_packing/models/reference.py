@@ -1,5 +1,6 @@
-"""Reference log-probabilities computed once (`model.reference: precomputed`, the default of dpo and ipo): one
-no-grad pass of the initial model over every pair before the first step, cached beside the tokenized data.
+"""Reference log-probabilities computed once (`model.reference: precomputed`, the default of dpo and ipo, and of
+grpo on stored rollouts): one no-grad pass of the initial model over every pair (or rollout group) before the first
+step, cached beside the tokenized data.
 
     table = ReferenceTable.of(batches)                 # (rows, PairLogps) of each batch of the pass
     reference = table.lookup(batch[ROWS], policy)      # the PairLogps of a batch's pairs, in the batch's order
@@ -14,6 +15,10 @@ of its weights as built, before any checkpoint is loaded), the precision and the
 `datasets` fingerprint: source, tokenizer, settings, split and limit), so another model, precision or data misses
 it; and it travels in every checkpoint, so a resumed fit takes the initial model's log-probabilities, never the
 trained policy's. The token counts are checked against each batch's: a table of other tokens is refused.
+
+A rollout group's table (`TokenTable`) holds the log-probability of every completion token (GRPO's KL is per
+token), at the objective's sampling temperature (part of the key), with each completion's token count: 8 bytes a
+completion token.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from typing import Any
 
 import torch
 
-from lit_packing.batch import ROWS
+from lit_packing.batch import GROUPS, ROWS
 from lit_packing.errors import ConfigError, DataError
+from lit_packing.models.grpo import CompletionLogps, completion_logps
 from lit_packing.models.head import head_inputs
 from lit_packing.models.preference import PairLogps, pair_logps
 from lit_packing.models.sharding import local_tensor, reshard
@@ -39,7 +45,7 @@ from lit_packing.text import count
 log = logging.getLogger(__name__)
 
 # Bump when what a table holds or how it is computed changes: every cached table is computed again.
-REFERENCE_VERSION = "1"
+REFERENCE_VERSION = "2"  # 2: rollout groups' tables, the objective's temperature in the key
 CHECKPOINT_KEY = "reference_logps"  # the tables in a checkpoint: {data fingerprint: ReferenceTable.state()}
 FIX = "set model.reference=copy (a frozen copy of the initial model) or delete the cached table"
 
@@ -55,9 +61,10 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:24]
 
 
-def table_key(name_or_path: str, weights: str, precision: str, data: str) -> str:
-    """The cache key of one split's table: the initial model, the precision and the split's tokenized data."""
-    parts = (REFERENCE_VERSION, name_or_path, weights, precision, data)
+def table_key(name_or_path: str, weights: str, precision: str, data: str, temperature: float = 1.0) -> str:
+    """The cache key of one split's table: the initial model, the precision, the split's tokenized data and the
+    temperature the log-probs are of."""
+    parts = (REFERENCE_VERSION, name_or_path, weights, precision, data, temperature)
     return "reference-" + hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 
@@ -155,18 +162,119 @@ class ReferenceTable:
         return PairLogps(logps[:, 0], logps[:, 1], policy.chosen_tokens, policy.rejected_tokens)
 
 
-def read_table(path: Path) -> ReferenceTable | None:
+@dataclass
+class TokenTable:
+    """Each rollout group's reference log-probability of every completion token, by the group's row (`index`).
+
+    Attributes:
+        rows: (R,) int64, sorted, each group's row in the source.
+        completions: (R,) int64 each group's completion count.
+        tokens: (K,) int64 each completion's token count, group after group (checked against each batch's).
+        logps: (M,) the log-probabilities of every completion token, in the row order of a group batch.
+    """
+
+    rows: torch.Tensor
+    completions: torch.Tensor
+    tokens: torch.Tensor
+    logps: torch.Tensor
+
+    @classmethod
+    def of(cls, groups: Iterable[tuple[int, torch.Tensor, torch.Tensor]]) -> TokenTable:
+        """The table of (row, its completions' token counts, its completion tokens' log-probs) per group."""
+        ordered = sorted(groups, key=lambda group: group[0])
+        if not ordered:
+            empty = torch.zeros(0, dtype=torch.int64)
+            return cls(empty, empty, empty, torch.zeros(0))
+        return cls(
+            torch.tensor([row for row, _, _ in ordered], dtype=torch.int64),
+            torch.tensor([len(tokens) for _, tokens, _ in ordered], dtype=torch.int64),
+            torch.cat([tokens.long().cpu() for _, tokens, _ in ordered]),
+            torch.cat([logps.detach().cpu() for _, _, logps in ordered]),
+        )
+
+    def groups(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(row, token counts, log-probs) of each group, in row order."""
+        out, token_start, value_start = [], 0, 0
+        for row, many in zip(self.rows.tolist(), self.completions.tolist()):
+            tokens = self.tokens[token_start : token_start + many]
+            values = int(tokens.sum())
+            out.append((row, tokens, self.logps[value_start : value_start + values]))
+            token_start, value_start = token_start + many, value_start + values
+        return out
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def to(self, device: torch.device | str) -> TokenTable:
+        return TokenTable(self.rows, self.completions, self.tokens, self.logps.to(device))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"rows": self.rows, "completions": self.completions, "tokens": self.tokens, "logps": self.logps.cpu()}
+
+    def gathered(self, all_gather: Callable[[torch.Tensor], torch.Tensor], world_size: int) -> TokenTable:
+        """Every rank's share of the pass in one table (`all_gather` of equal shapes: each part padded to the
+        longest rank's), a group computed by several ranks kept once."""
+        if world_size == 1:
+            return self
+        sizes = all_gather(torch.tensor([len(self.rows), len(self.tokens), len(self.logps)])).reshape(-1, 3).cpu()
+        parts = []
+        for part, column in ((self.rows, 0), (self.completions, 0), (self.tokens, 1), (self.logps, 2)):
+            longest = int(sizes[:, column].max())  # every rank pads to the same length: one shape for NCCL
+            padded = torch.cat([part.double(), torch.zeros(longest - len(part), dtype=torch.float64)])
+            parts.append(all_gather(padded).reshape(world_size, -1).cpu())
+        seen, groups = set(), []
+        for rank in range(world_size):
+            r, k, m = sizes[rank].tolist()
+            table = TokenTable(parts[0][rank, :r].long(), parts[1][rank, :r].long(), parts[2][rank, :k].long(),
+                               parts[3][rank, :m].to(self.logps.dtype))  # fmt: skip
+            groups += [group for group in table.groups() if group[0] not in seen and not seen.add(group[0])]
+        return TokenTable.of(groups)
+
+    def lookup(self, rows: list[int], tokens: torch.Tensor, completions: torch.Tensor, where: str) -> torch.Tensor:
+        """The reference log-probs (M,) of a batch's groups (`rows`, the batch's order; `completions` (B,) each
+        group's completion count, `tokens` (C,) each completion's token count), in the batch's token order.
+
+        Raises:
+            DataError: a group the table lacks, or whose completions' token counts differ from the batch's.
+        """
+        index = {row: k for k, row in enumerate(self.rows.tolist())}
+        groups = self.groups()
+        missing = [row for row in rows if row not in index]
+        if len(rows) != len(completions) or missing:
+            raise DataError(
+                f"the precomputed reference log-probs ({where}) lack the groups of rows "
+                f"{', '.join(map(str, missing[:8]))}: they were computed for other data; {FIX}"
+            )
+        out, start = [], 0
+        for row, many in zip(rows, completions.tolist()):
+            _, stored, logps = groups[index[row]]
+            if not torch.equal(stored, tokens[start : start + many].long().cpu()):
+                raise DataError(
+                    f"the precomputed reference log-probs ({where}) were computed for other tokens of row {row} (its "
+                    f"completions' token counts differ from the batch's): {FIX}"
+                )
+            out.append(logps)
+            start += many
+        return torch.cat(out) if out else self.logps[:0]
+
+
+def read_table(path: Path) -> ReferenceTable | TokenTable | None:
     """The cached table at `path`, None when there is none (or it cannot be read: it is computed again)."""
     if not path.exists():
         return None
     try:
-        return ReferenceTable(**torch.load(path, map_location="cpu", weights_only=True))
+        return table_of(torch.load(path, map_location="cpu", weights_only=True))
     except Exception as error:  # a torn or foreign file is a cache miss, never a failed run
         log.warning("ignoring the unreadable cached reference log-probs %s (%s): computing them again", path, error)
         return None
 
 
-def write_table(table: ReferenceTable, path: Path) -> None:
+def table_of(state: dict[str, torch.Tensor]) -> ReferenceTable | TokenTable:
+    """A table from its `state()` (a pair table's or a group table's)."""
+    return TokenTable(**state) if "completions" in state else ReferenceTable(**state)
+
+
+def write_table(table: ReferenceTable | TokenTable, path: Path) -> None:
     """Write atomically (a temporary file, then a rename): a run killed while writing leaves no torn table."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     torch.save(table.state(), tmp)
@@ -184,11 +292,12 @@ class PrecomputedReference:
         loaded_weights: a checkpoint's weights were loaded: the policy is no longer the initial model.
     """
 
-    def __init__(self, name_or_path: str) -> None:
+    def __init__(self, name_or_path: str, temperature: float = 1.0) -> None:
         self.name_or_path = name_or_path
+        self.temperature = temperature  # the objective's: a group table's log-probs are of logits / temperature
         self.initial_weights: str | None = None
-        self.tables: dict[str, ReferenceTable] = {}
-        self.stages: dict[str, tuple[ReferenceTable, str]] = {}  # stage -> (table on the device, its name)
+        self.tables: dict[str, ReferenceTable | TokenTable] = {}
+        self.stages: dict[str, tuple[ReferenceTable | TokenTable, str]] = {}  # stage -> (table on the device, name)
         self.loaded_weights = False
 
     def state(self) -> dict:
@@ -198,24 +307,24 @@ class PrecomputedReference:
         """A checkpoint's tables (the initial model's: used, never computed again); its weights replace the model's."""
         self.loaded_weights = True
         saved = checkpoint.get(CHECKPOINT_KEY, {})
-        self.tables.update({data: ReferenceTable(**state) for data, state in saved.items()})
+        self.tables.update({data: table_of(state) for data, state in saved.items()})
 
     def prepare(self, lm, *stages: str) -> None:
         """Each stage's table on the device, from this run's memory or a checkpoint, else the cache beside the
         tokenized data, else one no-grad pass of `lm` (a `PackedCausalLM`, which must still be the initial model: a
-        fit's start, before any step or checkpoint) over the split's pairs. Rank 0 decides what is read, and every
-        rank computes its share of a pass, so the ranks' forwards stay matched."""
-        pair_split = lm._data.pair_split if lm._data is not None else None
+        fit's start, before any step or checkpoint) over the split's pairs (or groups). Rank 0 decides what is read,
+        and every rank computes its share of a pass, so the ranks' forwards stay matched."""
+        reference_split = lm._data.reference_split if lm._data is not None else None
         for stage in stages:
-            split = pair_split(stage) if pair_split is not None else None
+            split = reference_split(stage) if reference_split is not None else None
             if split is None:
                 if stage == "train":
                     raise ConfigError(
                         "model.reference",
-                        "precomputed computes the reference log-probs from the training pairs of a "
-                        "PackingDataModule's tokenized data (data.collator PairCollator, not streamed), and this "
-                        "fit has none",
-                        "train from a PackingDataModule with pairs, or set model.reference=copy",
+                        "precomputed computes the reference log-probs from the training pairs or rollout groups of "
+                        "a PackingDataModule's tokenized data (stored: not streamed, not sampled on-policy), and "
+                        "this fit has none",
+                        "train from stored pairs or rollouts, or set model.reference=copy (or lora)",
                     )
                 continue
             table, where = self._table(lm, split, stage)
@@ -233,32 +342,44 @@ class PrecomputedReference:
         table, where = self.stages[stage]
         return table.lookup(rows, policy, where)
 
+    def lookup_groups(self, stage: str, batch: Mapping[str, Any], policy: CompletionLogps) -> torch.Tensor:
+        """The reference log-probs (N,) of a group batch's completion tokens (its `rows`), in the batch's order."""
+        if stage not in self.stages:
+            raise ConfigError("model.reference", f"precomputed: no reference log-probs for the {stage} groups",
+                              "fit with stored rollouts, or set model.reference=copy")  # fmt: skip
+        table, where = self.stages[stage]
+        tokens = torch.bincount(policy.completion.cpu(), minlength=policy.completions)
+        completions = torch.bincount(batch[GROUPS].cpu(), minlength=len(batch.get(ROWS, [])))
+        values = table.lookup(list(batch.get(ROWS, [])), tokens, completions, where)
+        return values.to(device=policy.logps.device, dtype=policy.logps.dtype)
+
     def _table(self, lm, split, stage: str) -> tuple[ReferenceTable, str]:
         """One split's table and what names it in messages (read, or computed and cached)."""
         trainer = lm.trainer
+        temperature = self.temperature if split.groups else 1.0
         key = trainer.strategy.broadcast(
-            table_key(self.name_or_path, self.initial_weights, str(trainer.precision), split.fingerprint)
+            table_key(self.name_or_path, self.initial_weights, str(trainer.precision), split.fingerprint, temperature)
         )  # rank 0's: every rank reads or computes the same
         path = Path(split.folder) / f"{key}.pt" if split.folder is not None else None
-        where = f"{stage} pairs, {path or 'not cached: the data is in memory'}"
+        where = f"{stage} {split.kind}, {path or 'not cached: the data is in memory'}"
         table = self.tables.get(split.fingerprint)
         if table is not None:
-            log.info("reference log-probs (%s): %d pairs, from this run (a checkpoint, or the fit before)", where,
-                     len(table))  # fmt: skip
+            log.info("reference log-probs (%s): %d %s, from this run (a checkpoint, or the fit before)", where,
+                     len(table), split.kind)  # fmt: skip
             return table, where
         found = read_table(path) if path is not None and trainer.is_global_zero else None
         table = trainer.strategy.broadcast(found)
         if table is not None:
-            log.info("reference log-probs (%s): %d pairs, read from the cache", where, len(table))
+            log.info("reference log-probs (%s): %d %s, read from the cache", where, len(table), split.kind)
         else:
             if self.loaded_weights or lm.global_step > 0:
                 raise ConfigError(
                     "model.reference",
-                    f"precomputed: the reference log-probs of the {stage} pairs are neither in the checkpoint nor "
-                    f"cached ({path}), and the model now holds trained weights, not the initial model's",
+                    f"precomputed: the reference log-probs of the {stage} {split.kind} are neither in the checkpoint "
+                    f"nor cached ({path}), and the model now holds trained weights, not the initial model's",
                     "run a fit from the initial model first (it caches them), or set model.reference=copy",
                 )
-            table = compute_table(lm, split, stage)
+            table = compute_table(lm, split, stage, temperature)
             if path is not None and trainer.is_global_zero:
                 write_table(table, path)
         self.tables[split.fingerprint] = table
@@ -287,15 +408,16 @@ def reference_forward(lm, batch: Mapping[str, Any], read: Callable[[Any, Mapping
             return read(lm.loss_outputs(batch), batch)
 
 
-def compute_table(lm, split, stage: str) -> ReferenceTable:
-    """One no-grad pass of `lm`'s (initial) model over this rank's share of the split's pairs, as the training step
-    computes the policy's log-probs (the same head, precision context and packing); eval mode."""
+def compute_table(lm, split, stage: str, temperature: float = 1.0) -> ReferenceTable | TokenTable:
+    """One no-grad pass of `lm`'s (initial) model over this rank's share of the split's pairs (or groups, their
+    completion tokens' log-probs of logits / `temperature`), as the training step computes the policy's log-probs
+    (the same head, precision context and packing); eval mode."""
     from tqdm.auto import tqdm
 
     trainer, loader, start = lm.trainer, split.loader(), time.perf_counter()
-    log.info("reference log-probs (%s pairs): computing %s with the initial model, %s on this rank "
-             "(model.reference=precomputed; once: later fits read the cache)", stage, count(split.pairs, "pair"),
-             count(len(loader), "batch"))  # fmt: skip
+    log.info("reference log-probs (%s %s): computing %s with the initial model, %s on this rank "
+             "(model.reference=precomputed; once: later fits read the cache)", stage, split.kind,
+             count(split.items, split.kind.rstrip("s")), count(len(loader), "batch"))  # fmt: skip
     quiet = not trainer.is_global_zero or trainer.progress_bar_callback is None
     training, parts = lm.model.training, []
     lm.model.eval()
@@ -303,11 +425,27 @@ def compute_table(lm, split, stage: str) -> ReferenceTable:
         with torch.no_grad(), lm.forward_context():
             for batch in tqdm(loader, desc=f"reference log-probs ({stage})", disable=True if quiet else None):
                 batch = trainer.strategy.batch_to_device(batch)
-                parts.append((batch[ROWS], pair_logps(lm.loss_outputs(batch), batch)))
+                if split.groups:
+                    parts += _group_entries(batch, completion_logps(lm.loss_outputs(batch), batch, temperature))
+                else:
+                    parts.append((batch[ROWS], pair_logps(lm.loss_outputs(batch), batch)))
     finally:
         lm.model.train(training)
     reshard(lm.model)  # no backward follows: the root's gathered weights freed
     gather = lambda t: trainer.strategy.all_gather(t.to(lm.device))  # noqa: E731
-    table = ReferenceTable.of(parts).gathered(gather, trainer.world_size)
-    log.info("reference log-probs (%s pairs): %d computed in %.1f s", stage, len(table), time.perf_counter() - start)
+    table = (TokenTable if split.groups else ReferenceTable).of(parts).gathered(gather, trainer.world_size)
+    log.info("reference log-probs (%s %s): %d computed in %.1f s", stage, split.kind, len(table),
+             time.perf_counter() - start)  # fmt: skip
     return table
+
+
+def _group_entries(batch: Mapping[str, Any], policy: CompletionLogps) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(row, its completions' token counts, their tokens' log-probs) of each group of a batch."""
+    tokens = torch.bincount(policy.completion.cpu(), minlength=policy.completions)
+    completions = torch.bincount(batch[GROUPS].cpu(), minlength=len(batch[ROWS])).tolist()
+    entries, completion, value = [], 0, 0
+    for row, many in zip(batch[ROWS], completions):
+        sizes = tokens[completion : completion + many]
+        entries.append((int(row), sizes, policy.logps[value : value + int(sizes.sum())]))
+        completion, value = completion + many, value + int(sizes.sum())
+    return entries

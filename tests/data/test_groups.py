@@ -11,6 +11,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 from lightning.pytorch import Callback, Trainer
 from transformers import AutoTokenizer
 
@@ -151,8 +152,11 @@ def test_collators_of_other_items_refuse_groups(tmp_path, tokenizer):
 
 
 def group_data(tmp_path, n=24, **kwargs):
-    rows = [group(i, g=2 + i % 3) for i in range(n)]
-    source = HFDataset(write_jsonl(tmp_path / "groups.jsonl", rows), split="train")
+    """A data module of `n` groups, the file written once per folder (a rewritten file is new data to its cache)."""
+    path = tmp_path / "groups.jsonl"
+    if not path.exists():
+        write_jsonl(path, [group(i, g=2 + i % 3) for i in range(n)])
+    source = HFDataset(str(path), split="train")
     options = {
         "val_split": 4, "max_length": 512, "overlong": "drop", "collator": GroupCollator,
         "cache_dir": str(tmp_path / "cache"),
@@ -223,12 +227,50 @@ def test_a_grpo_fit_with_lora_takes_the_reference_with_the_adapter_off(tmp_path)
     assert kls[0] == 0 and kls[-1] > 0 and not lm.frozen_copies
 
 
-def test_grpo_refuses_a_reference_it_cannot_take_and_batches_of_other_kinds():
+def test_a_precomputed_reference_trains_the_frozen_copys_losses_and_is_read_from_its_cache(tmp_path):
+    """`model.reference: precomputed` on stored groups (the default): one no-grad pass of the initial model gives
+    every completion token's reference log-prob, and 3 steps train the losses and KL the frozen copy gives (fp32
+    rounding: the pass packs the groups as validation does); the table is cached beside the tokenized data, and a
+    second fit reads it instead of computing it (the same losses again). At temperature 0.7 the table is another."""
+    from lit_packing.models import GRPO, PackedCausalLM
+
+    config = dict(TINY_LLAMA, vocab_size=49152)
+
+    def fit(reference: str, temperature: float = 1.0) -> list[dict]:
+        torch.manual_seed(0)
+        lm = PackedCausalLM(model_config=config, objective=GRPO(loss_type="grpo", beta=0.5, temperature=temperature),
+                            reference=reference, lr=1e-2, memory_check=False)  # fmt: skip
+        logged = []
+
+        class Metrics(Callback):
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+                logged.append({k: float(trainer.callback_metrics[f"train/{k}"]) for k in ("loss", "kl")})
+
+        trainer = Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, callbacks=[Metrics()], limit_val_batches=0)  # fmt: skip
+        trainer.fit(lm, datamodule=group_data(tmp_path))
+        assert (lm.precomputed is not None) == (reference == "precomputed")
+        return logged
+
+    copy, precomputed = fit("copy"), fit("precomputed")
+    tables = sorted((tmp_path / "cache").rglob("reference-*.pt"))
+    assert len(tables) == 2  # the training groups' and the held-out ones'
+    written = [table.stat().st_mtime_ns for table in tables]
+    again = fit("precomputed")
+    assert sorted((tmp_path / "cache").rglob("reference-*.pt")) == tables
+    assert [table.stat().st_mtime_ns for table in tables] == written  # read, not computed again
+    assert precomputed[-1]["kl"] > 0  # the policy moved from the reference
+    for ours, theirs in zip(precomputed + again, copy + copy):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-7)
+        assert ours["kl"] == pytest.approx(theirs["kl"], rel=1e-4, abs=1e-7)
+    fit("precomputed", temperature=0.7)
+    assert len(sorted((tmp_path / "cache").rglob("reference-*.pt"))) == 4
+
+
+def test_grpo_refuses_batches_of_other_kinds():
     from lit_packing.models import GRPO, PackedCausalLM
 
     config = dict(TINY_LLAMA, vocab_size=1000)
-    with pytest.raises(ConfigError, match=r"^model.reference: GRPO cannot take its reference 'precomputed'"):
-        PackedCausalLM(model_config=config, objective=GRPO(beta=0.1), memory_check=False)
     lm = PackedCausalLM(model_config=config, objective=GRPO(), memory_check=False)
     with pytest.raises(ConfigError, match=r"^data.collator: GRPO trains rollout groups, the batch holds single"):
         lm.objective.loss(lm, PackedCollator()([{INPUT_IDS: [1, 2, 3]}]))

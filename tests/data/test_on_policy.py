@@ -219,3 +219,17 @@ def test_a_top_k_or_top_p_cut_decides_what_is_drawn_not_the_log_probs_stored(tmp
         assert all(logp < -1e-3 for logp in group["behaviour_logps"][0])  # not the cut distribution's log 1
     free = sample_groups(model, tokenizer, prompts, 4, 6, temperature=0.7, seed=1)
     assert any(len({tuple(c) for c in group["completions"]}) > 1 for group in free)
+
+
+def test_a_precomputed_reference_is_refused_on_policy_in_one_line(tmp_path, monkeypatch, capsys):
+    """Rounds are sampled during the fit, so their reference log-probs cannot be computed ahead: with `beta` > 0
+    the default `model.reference: precomputed` stops at fit start in one line naming copy and lora."""
+    monkeypatch.chdir(tmp_path)
+    source = ["--data.source=lit_packing.data.OnPolicyRollouts", "--data.source.init_args.prompts_per_round=1",
+              "--data.source.init_args.group_size=2", "--data.source.init_args.max_new_tokens=4"]  # fmt: skip
+    model = saved_tiny(tmp_path)
+    line = error_line(["fit", f"--model.name_or_path={model}", *COMMON, *source, "--trainer.max_steps=1",
+                       "--model.objective.init_args.beta=0.1", f"--trainer.default_root_dir={tmp_path}"],
+                      capsys)  # fmt: skip
+    assert line.startswith("error: model.reference: precomputed computes the reference log-probs from"), line
+    assert "not sampled on-policy" in line and "model.reference=copy (or lora)" in line, line
