@@ -442,6 +442,21 @@ def flatten_mesh(mesh: Any, dims: tuple[str, ...], name: str) -> Any:
     return _get("torch", "DeviceMesh._flatten", lambda: sub._flatten)(name)
 
 
+def shard_box(shape: Sequence[int], mesh: Any, placements: Sequence[Any], coordinate: Sequence[int] | None = None):
+    """(local shape, global offset): the box of a tensor of `shape` that mesh `coordinate` (default: this rank's)
+    holds under DTensor `placements`, by DTensor's own shard arithmetic (nested `Shard`s, FSDP2's strided shards
+    over tensor parallel's and `Replicate` each hold a box of the whole).
+
+    torch: `torch.distributed.tensor._utils._compute_local_shape_and_global_offset`; checked on 2.13.0.
+    """
+    from torch.distributed.tensor import _utils
+
+    compute = _get("torch", "tensor._utils._compute_local_shape_and_global_offset",
+                   lambda: _utils._compute_local_shape_and_global_offset)  # fmt: skip
+    where = list(mesh.get_coordinate() if coordinate is None else coordinate)
+    return compute(tuple(shape), mesh.shape, where, list(placements))
+
+
 def compiled_graphs() -> int:
     """Graphs `torch.compile` has compiled in this process so far (every recompilation adds one).
 

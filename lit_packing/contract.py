@@ -85,6 +85,17 @@ class DataContract:
 
 
 @dataclass(frozen=True)
+class Policy:
+    """What on-policy rollouts (`lit_packing.data.on_policy`) need of the model: the module that samples (the one
+    being trained, in place), the temperature its objective scores log-probs at, and each round's advantages where
+    they depend on the whole round (`GRPO.round_advantages`; None: each group's own, computed per batch)."""
+
+    model: Any
+    temperature: float = 1.0
+    round_advantages: Callable[[list[dict]], list[list[float]] | None] = lambda rows: None
+
+
+@dataclass(frozen=True)
 class ModelContract:
     """What the data may know of the model, published by `PackedCausalLM.contract`.
 
@@ -93,10 +104,12 @@ class ModelContract:
         largest_fitting: `largest_fitting(step_of, candidates, what)`: the largest of the increasing `candidates`
             whose step (`step_of(value)`, a `StepShape`) the memory estimate predicts to fit the device, with that
             estimate; None as the value when none fits. It sizes a sampler's `auto` setting (`max_tokens: auto`).
+        policy: what on-policy rollouts sample with (`Policy`).
     """
 
     shape: ModelShape
     largest_fitting: Callable[..., tuple[int | None, Any]] | None = None
+    policy: Policy | None = None
 
     @property
     def cost_coefficients(self) -> tuple[float, float]:

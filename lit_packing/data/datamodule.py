@@ -386,6 +386,7 @@ class PackingDataModule(LightningDataModule):
         """What the model publishes (`lit_packing.contract.DataModelConnection` calls this before any loader):
         its cost coefficients balance `MultipackSampler`'s ranks unless the sampler was given its own."""
         self.model_contract = model
+        self.feed.connect_model(model)
 
     def largest_step(self) -> StepShape | None:
         """The training plan's micro-batch that needs the most memory (the collator's slots of the sampler's

@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from lit_packing._compat import batch_sampler_with_epoch, move_epoch_position, ready_batches
-from lit_packing.contract import DataContract, setting_paths
+from lit_packing.contract import DataContract, ModelContract, setting_paths
 from lit_packing.errors import ConfigError
 from lit_packing.processes import EndWithParent
 from lit_packing.samplers.base import PackPlan
@@ -113,6 +113,9 @@ class Feed(pl.Callback):
     def prepare(self, tokenizer: Any) -> None:
         """Once per node, before `publish`: what the examples need on disk."""
         raise NotImplementedError
+
+    def connect_model(self, model: ModelContract) -> None:
+        """What the model publishes, before any loader is built (the on-policy feed samples with its `policy`)."""
 
     def publish(self, stage: str | None, tokenizer: Any, trainer: pl.Trainer | None) -> DataContract:
         """Build the datasets and the report, and return what the model and the callbacks may know of them."""

@@ -48,7 +48,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from lit_packing._compat import data_parallel
 from lit_packing.batch import ROUND, StepShape
-from lit_packing.contract import DataContract
+from lit_packing.contract import DataContract, ModelContract, Policy
 from lit_packing.data.feed import Feed, SamplerBuilder
 from lit_packing.data.report import TokenizationReport
 from lit_packing.data.sources import Source
@@ -159,6 +159,10 @@ class OnPolicyFeed(Feed):
     def __init__(self, settings) -> None:
         super().__init__(settings)
         self.prompts: datasets.Dataset | None = None
+        self.policy: Policy | None = None  # the model's (`connect_model`): what samples the rounds
+
+    def connect_model(self, model: ModelContract) -> None:
+        self.policy = model.policy
 
     @property
     def source(self) -> OnPolicyRollouts:
@@ -202,6 +206,9 @@ class OnPolicyFeed(Feed):
         if self.settings.num_workers:
             raise ConfigError("data.num_workers", "on-policy rounds are sampled in the training process",
                               "set it to 0")  # fmt: skip
+        if self.policy is None:
+            raise ConfigError("model", "on-policy rounds are sampled by the model, and this one publishes no policy",
+                              "train a lit_packing.models.PackedCausalLM")  # fmt: skip
         self.sampler = RoundLoader(self, build, tokenizer, trainer)
         self._apply_position()
         return self.sampler
@@ -335,10 +342,8 @@ class RoundLoader:
         rank, world = data_parallel(self.trainer)
         rows = self._prompts(number)
         mine = rows[rank::world]
-        lm = (
-            self.trainer.lightning_module
-        )  # the policy: the one place the data reaches the model (sampling, advantages)
-        model = lm.model
+        policy = self.feed.policy  # the model's contract: the one way the data reaches the model
+        model = policy.model
         source = self.source
         began = time.perf_counter()
         groups: list[dict] = []
@@ -352,7 +357,7 @@ class RoundLoader:
                 with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                     groups = sample_groups(
                         model, self.tokenizer, prompts["prompt"], source.group_size, source.max_new_tokens,
-                        _temperature(lm), seed=source.seed * 1_000_003 + number * 1_009 + rank,
+                        policy.temperature, seed=source.seed * 1_000_003 + number * 1_009 + rank,
                         batch_prompts=source.generation_batch, top_k=source.top_k, top_p=source.top_p,
                     )  # fmt: skip
             finally:
@@ -369,7 +374,7 @@ class RoundLoader:
         gathered = _gather(groups, world)
         gathered.sort(key=lambda g: rows.index(g["prompt_row"]))
         out = [_row(group) for group in gathered]
-        advantages = getattr(getattr(lm, "objective", None), "round_advantages", lambda rows: None)(out)
+        advantages = policy.round_advantages(out)
         for row, values in zip(out, advantages or []):  # advantages of the whole round (`scale_rewards: batch`)
             row["advantages"] = values
         if self.trainer.is_global_zero:
@@ -452,11 +457,6 @@ class RoundLoader:
         self._resume = dict(state)
         self.resumed_at = int(state["start"]) + int(state["inside"])
         self.restored = f"on-policy round {state['round']:,}, micro-batch {state['inside']:,} of it"
-
-
-def _temperature(lm: Any) -> float:
-    """The sampling temperature the model's objective scores log-probs at (GRPO's `temperature`; else 1)."""
-    return float(getattr(getattr(getattr(lm, "objective", None), "settings", None), "temperature", 1.0))
 
 
 def _gather(groups: list[dict], world: int) -> list[dict]:

@@ -25,7 +25,7 @@ from lightning.pytorch import Callback, LightningModule
 
 from lit_packing._compat import accumulates, attached_trainer, compiled_graphs
 from lit_packing.batch import ROWS, StepShape, is_packed, model_inputs
-from lit_packing.contract import DataContract, DataModelConnection, ModelContract
+from lit_packing.contract import DataContract, DataModelConnection, ModelContract, Policy
 from lit_packing.cost import model_shape
 from lit_packing.models.backends import AttnBackend, VarlenImpl, activation_dtype
 from lit_packing.models.context import ContextGroup, check_dealable, context_group, deal
@@ -233,7 +233,8 @@ class PackedCausalLM(LightningModule):
         """What the data may know of this model: its shape, hence its cost coefficients (an example of L tokens
         costs `a * L + b * L^2` FLOPs, with which `MultipackSampler` balances ranks), and `largest_fitting`, with
         which a sampler's `auto` setting is sized."""
-        return ModelContract(shape=model_shape(self.model), largest_fitting=self.largest_fitting)
+        policy = Policy(self.model, self.objective.temperature, self.objective.round_advantages)
+        return ModelContract(shape=model_shape(self.model), largest_fitting=self.largest_fitting, policy=policy)
 
     def connect_data(self, data: DataContract) -> None:
         """What the data publishes: the token-id range checked at setup, the rows that name a failed step's

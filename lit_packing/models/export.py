@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
+from lit_packing._compat import shard_box
 from lit_packing.agree import agreed
 from lit_packing.errors import ConfigError, TrainingError
 from lit_packing.models.quantize import merged_weights
@@ -308,8 +308,7 @@ def _row_blocks(tensor: DTensor) -> list[tuple[int, int]] | None:
         return None
     mesh, owners = tensor.device_mesh, {}
     for coordinate in itertools.product(*map(range, mesh.shape)):
-        shape, offset = _compute_local_shape_and_global_offset(tensor.shape, mesh.shape, list(coordinate),
-                                                              tensor.placements)  # fmt: skip
+        shape, offset = shard_box(tensor.shape, mesh, tensor.placements, coordinate)
         start, stop = offset[0], offset[0] + shape[0]
         rank = int(mesh.mesh[coordinate])
         owners[(start, stop)] = min(rank, owners.get((start, stop), rank))

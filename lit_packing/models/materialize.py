@@ -41,10 +41,9 @@ from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import PreTrainedModel
 
-from lit_packing._compat import checkpoint_renaming
+from lit_packing._compat import checkpoint_renaming, shard_box
 from lit_packing.agree import agreed
 from lit_packing.errors import AssetError, ConfigError
 
@@ -441,7 +440,7 @@ def _copy_slice(param: torch.Tensor, whole: torch.Tensor) -> None:
     shard, or the plain tensor): the part is cut on the host by DTensor's own shard arithmetic (any nesting of
     `Shard`, FSDP2's strided shards and `Replicate` holds a box of the whole), so only the shard reaches the device."""
     if isinstance(param, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(whole.shape, param.device_mesh, param.placements)
+        shape, offset = shard_box(whole.shape, param.device_mesh, param.placements)
         param.to_local().copy_(whole[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
     else:
         param.copy_(whole)

@@ -93,6 +93,10 @@ class Objective:
         """Stop the run where a step's metrics (means over the step's micro-batches and ranks, the same on every
         rank) show it cannot be trained as it should: nothing to check by default."""
 
+    def round_advantages(self, rows: list[dict]) -> list[list[float]] | None:
+        """The advantages of an on-policy round's groups where they depend on the whole round; None: none here."""
+        return None
+
 
 # What each objective trains, by the batch key its collator writes, and the settings that give it.
 _BATCHES = {

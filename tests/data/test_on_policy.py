@@ -178,7 +178,7 @@ def test_a_sampler_that_disagrees_with_the_trained_model_stops_the_first_step(tm
 def test_a_round_sampled_at_a_temperature_is_scored_at_it(tmp_path, monkeypatch, capsys):
     """At temperature 0.7 the sampler records log-probs of logits / 0.7 and GRPO scores the tokens the same way:
     the first step's self-test sees rounding only. Sampled at 0.7 but scored at 1, the first step stops."""
-    from lit_packing.data import on_policy
+    from lit_packing.models import rollouts
 
     monkeypatch.chdir(tmp_path)
     model = saved_tiny(tmp_path)
@@ -186,7 +186,12 @@ def test_a_round_sampled_at_a_temperature_is_scored_at_it(tmp_path, monkeypatch,
               "--data.source.init_args.group_size=2", "--data.source.init_args.max_new_tokens=4"]  # fmt: skip
     _, rows = fit(tmp_path, "tempered", model, [*source, "--model.objective.init_args.temperature=0.7"], steps=1)
     assert float(rows[0]["train/sampler_logp_diff"]) < 1e-5
-    monkeypatch.setattr(on_policy, "_temperature", lambda lm: 0.7)  # the sampler alone at 0.7
+    sample = rollouts.sample_groups
+
+    def at_07(model, tokenizer, prompts, group_size, max_new_tokens, temperature, **kwargs):
+        return sample(model, tokenizer, prompts, group_size, max_new_tokens, 0.7, **kwargs)
+
+    monkeypatch.setattr(rollouts, "sample_groups", at_07)  # the sampler alone at 0.7
     line = error_line(["fit", f"--model.name_or_path={model}", *COMMON, *source, "--trainer.max_steps=1",
                        f"--trainer.default_root_dir={tmp_path}"], capsys)  # fmt: skip
     assert line.startswith("error: on-policy step 1: the training forward scores the sampled tokens"), line
