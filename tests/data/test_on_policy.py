@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -238,3 +239,34 @@ def test_a_precomputed_reference_is_refused_on_policy_in_one_line(tmp_path, monk
                       capsys)  # fmt: skip
     assert line.startswith("error: model.reference: precomputed computes the reference log-probs from"), line
     assert "not sampled on-policy" in line and "model.reference=copy (or lora)" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # two ranks
+def test_two_ddp_ranks_each_sample_their_share_and_train_the_gathered_round(tmp_path):
+    """2 DDP ranks on gloo, 3 prompts a round: each rank samples its share (rank 0 two prompts, rank 1 one), the
+    groups are gathered, and both train the round: each round's file holds the 3 prompts once with 4 scored
+    completions each, every step logs the round, and each round's first step passes the self-test over both
+    ranks' tokens."""
+    from tests.cli.test_resume import env
+    from tests.helpers.launch import run_fit
+
+    model = saved_tiny(tmp_path)
+    source = ["--data.source=lit_packing.data.OnPolicyRollouts", "--data.source.init_args.prompts_per_round=3",
+              "--data.source.init_args.group_size=4", "--data.source.init_args.max_new_tokens=6",
+              f"--data.source.init_args.reward_funcs=[{__name__}.length_reward]"]  # fmt: skip
+    args = [sys.executable, str(Path(__file__).parents[2] / "main.py"), "fit", f"--model.name_or_path={model}",
+            *COMMON, *source, "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.max_steps=2",
+            f"--trainer.default_root_dir={tmp_path}", "--run_name=ddp"]  # fmt: skip
+    done = run_fit(args, cwd=tmp_path, env=env(tmp_path), timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    files = sorted((tmp_path / "ddp").rglob("round_*.jsonl"))
+    assert [f.name for f in files] == ["round_000000.jsonl", "round_000001.jsonl"]
+    for path in files:
+        groups = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(groups) == 3 == len({g["prompt_row"] for g in groups})
+        assert all(len(g["completions"]) == 4 == len(g["rewards"]) == len(g["behaviour_logps"]) for g in groups)
+    with open(next((tmp_path / "ddp").rglob("metrics.csv"))) as file:
+        rows = [row for row in csv.DictReader(file) if row.get("train/loss")]
+    assert [row["rollout/round"] for row in rows] == ["0.0", "1.0"]
+    assert all(float(row["train/sampler_logp_diff"]) < 1e-5 for row in rows)
