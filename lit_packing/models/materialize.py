@@ -168,9 +168,8 @@ def materialize(
         ConfigError: a parameter that no init fills (naming it).
     """
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
-    shared = _shared_parameters(model)
     model.to_empty(device="cpu" if parameters_on_host else device)
-    _tie(model, shared)
+    _base(model).tie_weights()  # a plain `to_empty` allocates each module's parameters anew: a tied head, a copy
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[name])
@@ -208,28 +207,6 @@ def _glibc():
         return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
     except OSError:
         return None
-
-
-def _shared_parameters(model: torch.nn.Module) -> dict[str, list[str]]:
-    """Each parameter held under several names (a tied head): its first name -> the others."""
-    first: dict[int, str] = {}
-    shared: dict[str, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if first.setdefault(id(param), name) != name:
-            shared.setdefault(first[id(param)], []).append(name)
-    return shared
-
-
-def _tie(model: torch.nn.Module, shared: dict[str, list[str]]) -> None:
-    """Make each of `shared`'s other names the first's parameter again: a plain `to_empty` allocates each module's
-    parameters anew, so a tied head would become a copy (FSDP2 keeps one, and then this changes nothing)."""
-    for name, others in shared.items():
-        param = model.get_parameter(name)
-        for other in others:
-            owner, _, attribute = other.rpartition(".")
-            module = model.get_submodule(owner)
-            if module._parameters[attribute] is not param:
-                module._parameters[attribute] = param
 
 
 def checkpoint_names(model: torch.nn.Module) -> dict[str, torch.Tensor]:
