@@ -227,6 +227,7 @@ def test_a_grpo_fit_with_lora_takes_the_reference_with_the_adapter_off(tmp_path)
     assert kls[0] == 0 and kls[-1] > 0 and not lm.frozen_copies
 
 
+@pytest.mark.slow  # four fits (~20 s)
 def test_a_precomputed_reference_trains_the_frozen_copys_losses_and_is_read_from_its_cache(tmp_path):
     """`model.reference: precomputed` on stored groups (the default): one no-grad pass of the initial model gives
     every completion token's reference log-prob, and 3 steps train the losses and KL the frozen copy gives (fp32
