@@ -258,7 +258,11 @@ class PackedCausalLM(LightningModule):
             log.info(describe_model(self.model))
             self._described = True
         if self.hparams.compile and not getattr(self, "_compiled", False):  # the decoder: the loss's and forward's
-            self.hf_model.base_model.compile(dynamic=None)
+            # On a CPU, inductor's kernels are held to 256-bit vectors: torch 2.13 compiles some of these graphs into
+            # 512-bit kernels that write past a buffer on AVX-512 CPUs (NaN logits, or "malloc(): corrupted top
+            # size"); 256-bit ones are what an AVX2 CPU runs anyway. A GPU compiles with Triton, unaffected.
+            options = {"cpp.simdlen": 256} if device.type == "cpu" else None
+            self.hf_model.base_model.compile(dynamic=None, options=options)
             self._compiled = True
 
     def _place_backend(self, device: torch.device) -> None:

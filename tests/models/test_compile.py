@@ -53,9 +53,10 @@ def test_compiled_training_matches_eager_and_does_not_recompile_per_shape(tmp_pa
     sizes. After the first step (which compiles, and recompiles once for the isolation self-test's shorter
     sample: automatic dynamic shapes then make T symbolic) no step compiles a graph again, buckets or not.
 
-    Run in a fresh interpreter: in a test worker that had run many other tests first, this test's fits twice took
-    the worker down or saw NaN logits in the eager fit's self-test (not reproduced alone; cause not found), so its
-    process holds nothing of other tests. The checks are `compiled_matches_eager`'s, unchanged."""
+    Run in a fresh interpreter, so that a compiled kernel that corrupts memory cannot reach other tests: on AVX-512
+    CPUs torch 2.13's inductor compiled these graphs into 512-bit kernels that wrote past a buffer (NaN logits in
+    the compiled fit's self-test, or the process aborted), which is why `compile: true` on a CPU now compiles with
+    256-bit vectors. The checks are `compiled_matches_eager`'s."""
     root = Path(__file__).resolve().parents[2]
     code = f"from tests.models.test_compile import compiled_matches_eager; compiled_matches_eager({str(tmp_path)!r})"
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=840)
