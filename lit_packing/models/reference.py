@@ -23,6 +23,7 @@ completion token.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -202,6 +203,11 @@ class TokenTable:
             token_start, value_start = token_start + many, value_start + values
         return out
 
+    @functools.cached_property
+    def _by_row(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """row -> (token counts, log-probs), built once a table: every training step looks rows up."""
+        return {row: (tokens, logps) for row, tokens, logps in self.groups()}
+
     def __len__(self) -> int:
         return len(self.rows)
 
@@ -237,9 +243,8 @@ class TokenTable:
         Raises:
             DataError: a group the table lacks, or whose completions' token counts differ from the batch's.
         """
-        index = {row: k for k, row in enumerate(self.rows.tolist())}
-        groups = self.groups()
-        missing = [row for row in rows if row not in index]
+        by_row = self._by_row
+        missing = [row for row in rows if row not in by_row]
         if len(rows) != len(completions) or missing:
             raise DataError(
                 f"the precomputed reference log-probs ({where}) lack the groups of rows "
@@ -247,7 +252,7 @@ class TokenTable:
             )
         out, start = [], 0
         for row, many in zip(rows, completions.tolist()):
-            _, stored, logps = groups[index[row]]
+            stored, logps = by_row[row]
             if not torch.equal(stored, tokens[start : start + many].long().cpu()):
                 raise DataError(
                     f"the precomputed reference log-probs ({where}) were computed for other tokens of row {row} (its "
@@ -348,8 +353,7 @@ class PrecomputedReference:
             raise ConfigError("model.reference", f"precomputed: no reference log-probs for the {stage} groups",
                               "fit with stored rollouts, or set model.reference=copy")  # fmt: skip
         table, where = self.stages[stage]
-        tokens = torch.bincount(policy.completion.cpu(), minlength=policy.completions)
-        completions = torch.bincount(batch[GROUPS].cpu(), minlength=len(batch.get(ROWS, [])))
+        tokens, completions = _group_counts(batch, policy)
         values = table.lookup(list(batch.get(ROWS, [])), tokens, completions, where)
         return values.to(device=policy.logps.device, dtype=policy.logps.dtype)
 
@@ -441,11 +445,16 @@ def compute_table(lm, split, stage: str, temperature: float = 1.0) -> ReferenceT
 
 def _group_entries(batch: Mapping[str, Any], policy: CompletionLogps) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
     """(row, its completions' token counts, their tokens' log-probs) of each group of a batch."""
-    tokens = torch.bincount(policy.completion.cpu(), minlength=policy.completions)
-    completions = torch.bincount(batch[GROUPS].cpu(), minlength=len(batch[ROWS])).tolist()
+    tokens, completions = _group_counts(batch, policy)
     entries, completion, value = [], 0, 0
-    for row, many in zip(batch[ROWS], completions):
+    for row, many in zip(batch[ROWS], completions.tolist()):
         sizes = tokens[completion : completion + many]
         entries.append((int(row), sizes, policy.logps[value : value + int(sizes.sum())]))
         completion, value = completion + many, value + int(sizes.sum())
     return entries
+
+
+def _group_counts(batch: Mapping[str, Any], policy: CompletionLogps) -> tuple[torch.Tensor, torch.Tensor]:
+    """(C,) each completion's token count and (B,) each group's completion count, on the host, of a group batch."""
+    tokens = torch.bincount(policy.completion.cpu(), minlength=policy.completions)
+    return tokens, torch.bincount(batch[GROUPS].cpu(), minlength=len(batch.get(ROWS, [])))
