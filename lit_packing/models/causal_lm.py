@@ -251,7 +251,7 @@ class PackedCausalLM(LightningModule):
             if self.hparams.quantization is not None:
                 check_quantized_strategy(self.hparams.quantization, type(self.trainer.strategy).__name__)
         device = self.trainer.strategy.root_device
-        if self.packing is not None:  # a deferred model is packed once it holds its values (`configure_model`)
+        if not is_meta(self.model):  # a deferred model is placed once it holds its values (`configure_model`)
             self._place_backend(device)
         check_token_ids(self._data.token_id_range if self._data is not None else (0, 0), self.hf_model)
         if not getattr(self, "_described", False):  # once per process: what Lightning's model summary would say
@@ -287,8 +287,7 @@ class PackedCausalLM(LightningModule):
             offload = getattr(getattr(self._trainer, "strategy", None), "cpu_offload", False)  # ShardedStrategy's
             shard_models(models, mesh, lambda: str(self.trainer.precision), broadcast, offload)
         if is_meta(self.model):
-            self.packing = fill_models(self.hparams, [self.model, *self.frozen_copies], self.trainer.strategy,
-                                       self._init_seed)  # fmt: skip
+            fill_models(self.hparams, [self.model, *self.frozen_copies], self.trainer.strategy, self._init_seed)
             self._place_backend(self.trainer.strategy.root_device)
             if self.precomputed is not None:
                 self.precomputed.initial_weights = self.trainer.strategy.broadcast(weights_fingerprint(self.model))

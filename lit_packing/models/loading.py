@@ -31,6 +31,7 @@ from lit_packing.models.materialize import (
     local_folder,
     lora_init_supported,
     materialize,
+    probe_values,
     skeleton,
 )
 from lit_packing.models.mixers import MixerChoice
@@ -46,8 +47,8 @@ from lit_packing.models.selftest import PADDED_FIX
 from lit_packing.models.sharding import (
     data_parallel_mesh,
     local_tensor,
-    reshard,
     shard_model,
+    shard_plan,
     tensor_parallel_plan,
     tensor_parallel_size,
 )
@@ -150,8 +151,8 @@ def build_model(
     trained module (a peft model with `lora`).
 
     `deferred`: the model's skeleton only (`materialize.skeleton`: parameters on the meta device), with its
-    gradient checkpointing and adapters and without a `Packing` (None): `finish_build` packs it once
-    `materialize.materialize` has filled its (sharded) parameters."""
+    gradient checkpointing and adapters, packed on the host as it is (`pack_skeleton`); `materialize.materialize`
+    fills its (sharded) parameters later."""
     check_backend_here(backend, device or "cpu")  # a backend this machine cannot run fails before the model loads
     if deferred:
         lm, packing = model_skeleton(name_or_path, model_config, vocab_size, dtype, resize_embeddings), None
@@ -166,22 +167,29 @@ def build_model(
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = apply_lora(lm, lora) if lora else lm
     if deferred:
-        return LoadedModel(model, packing)
+        return LoadedModel(model, pack_skeleton(model, backend, device or "cpu", mixers, check, check_head))
     packing.on_host(lm)  # until the trainer places it: its construction-time forwards run on the host
     if check_head:
         check_head_inputs(model)
     return LoadedModel(model, packing)
 
 
-def finish_build(
-    model: torch.nn.Module, backend: AttnBackend, device: torch.device, mixers: MixerChoice, check: bool,
+def pack_skeleton(
+    model: torch.nn.Module, backend: AttnBackend, device: torch.device | str, mixers: MixerChoice, check: bool,
     check_head: bool,
 ) -> Packing:  # fmt: skip
-    """What `build_model` does after loading, for a deferred model now holding its values (sharded or not):
-    `pack_model` where it trains, then the LM-head check. A collective on a sharded model: every rank calls it."""
-    packing = pack_model(model, backend, device, mixers, check)
-    if check_head:
-        check_head_inputs(model)
+    """What `build_model` does after loading, for a skeleton (a deferred model, before it is sharded or filled):
+    `pack_model` for `device`, then the LM-head check, their forwards on the host over stand-in values that never
+    hold the whole model (`materialize.probe_values`: what lies outside the decoder layers, and one layer of each
+    kind). A sharded model is never probed, so its setup never gathers the root (embeddings, head)."""
+    try:
+        layers = shard_plan(model).layers
+    except ConfigError:  # no layer class to share values between (trained unsharded): the whole model's values
+        layers = []
+    with host_memory_returned(), probe_values(model, layers):
+        packing = pack_model(model, backend, device, mixers, check)
+        if check_head:
+            check_head_inputs(model)
     return packing
 
 
@@ -299,10 +307,10 @@ def named_model_settings():
 
 
 class Built(NamedTuple):
-    """A `PackedCausalLM`'s models as `build_models` made them (a deferred model's `packing` is None)."""
+    """A `PackedCausalLM`'s models as `build_models` made them, packed (a deferred one as a skeleton)."""
 
     model: torch.nn.Module
-    packing: Packing | None
+    packing: Packing
     references: list[torch.nn.Module]  # reference=copy: the initial model, frozen
 
 
@@ -333,7 +341,9 @@ def build_models(hp, deferred: bool, copy_reference: bool) -> Built:
         adapters = None if hp["model_config"] is not None else lambda name: ".lora_" in name
         initialize(model, torch.initial_seed(), only=adapters)
     references = [copy.deepcopy(model).eval().requires_grad_(False)] if copy_reference else []
-    if references and not deferred:
+    if references and deferred:
+        pack_skeleton(references[0], "per_example", device, hp["mixers"], check=False, check_head=False)
+    elif references:
         pack_model(references[0], "per_example")  # a copy is a new model: through the door, on the host
     return Built(model, packing, references)
 
@@ -361,11 +371,10 @@ def shard_models(
     )  # fmt: skip
 
 
-def fill_models(hp, models: list[torch.nn.Module], strategy, seed: int) -> Packing:
-    """Allocate and fill deferred models (the trained one first, then a reference copy) where the strategy trains,
-    each rank its shards only (`materialize.materialize`; a random init from rank 0's `seed`, the one the model was
-    built under), then pack them (`finish_build`): returns the trained model's `Packing`. A collective: every rank
-    calls it."""
+def fill_models(hp, models: list[torch.nn.Module], strategy, seed: int) -> None:
+    """Allocate and fill deferred models (the trained one first, then a reference copy; packed already, as
+    skeletons: `pack_skeleton`) where the strategy trains, each rank its shards only (`materialize.materialize`; a
+    random init from rank 0's `seed`, the one the model was built under). A collective: every rank calls it."""
     with host_memory_returned():
         device, start = strategy.root_device, time.perf_counter()
         with agreed():  # a download failing on one rank stops every rank, not just that one (then dcp.load hangs)
@@ -377,14 +386,6 @@ def fill_models(hp, models: list[torch.nn.Module], strategy, seed: int) -> Packi
         log.info("weights %s in %.1f s: %s on this rank", f"read from {folder}" if folder else "initialised",
                  time.perf_counter() - start, count(sum(local_tensor(p).numel() for p in models[0].parameters()),
                  "parameter"))  # fmt: skip
-        with named_model_settings():
-            packing = finish_build(models[0], hp["attn_backend"], device, hp["mixers"], hp["isolation_check"],
-                                   check_head=hp["loss_impl"] != "full")  # fmt: skip
-            for reference in models[1:]:
-                finish_build(reference, "per_example", device, hp["mixers"], check=False, check_head=False)
-        for model in models:
-            reshard(model)  # the probe's forwards left the root gathered
-    return packing
 
 
 def check_model_settings(hp: Mapping[str, Any]) -> None:

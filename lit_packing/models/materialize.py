@@ -13,6 +13,8 @@ What each step keeps exact:
   (rotary `inv_freq`, embedding scales): `to_empty` leaves garbage in them, so `materialize` copies them back. The
   embeddings are tied again after the build (the meta patch re-registers a tied weight as a copy), so a tied head
   stays one storage through sharding and `to_empty`;
+- the construction probe runs on the skeleton before it is sharded (`probe_values`: the root whole and one layer
+  per kind of layer, random stand-ins), so no forward of the sharded model gathers anything during setup;
 - pretrained weights are read by torch's distributed checkpoint with its Hugging Face reader: each rank reads only
   the slices it holds (`safe_open(...).get_slice`), cast on copy (bf16 on disk -> the run's master dtype), from the
   files transformers reads (`weight_files`: those the index names, so a `consolidated.safetensors` shipped beside
@@ -186,10 +188,11 @@ def materialize(
 def host_memory_returned() -> Iterator[None]:
     """Inside, glibc hands every freed block of 1 MiB or more back to the system at once (a fixed mmap threshold);
     on exit the threshold is 32 MiB, where glibc's own adaptive threshold ends, and what is freed is trimmed. The
-    slices read, the scratch copies and the probe's gathered layers are freed one after another in blocks of
+    slices read, the scratch copies and the probe's stand-in values are freed one after another in blocks of
     different sizes and from several threads: kept in glibc's heaps they held a rank's resident memory near the
     whole model's (measured on each of 4 CPU ranks, a 239M-parameter model: a setup peak of 1.54 x its fp32 size
-    above the interpreter's own, 0.81 x with this). A no-op where the C library is not glibc."""
+    above the interpreter's own, 0.81 x with this, when the probe still ran on the sharded model). A no-op where
+    the C library is not glibc."""
     libc = _glibc()
     if libc is not None:
         libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
@@ -199,6 +202,44 @@ def host_memory_returned() -> Iterator[None]:
         if libc is not None:
             libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
             libc.malloc_trim(0)
+
+
+@contextlib.contextmanager
+def probe_values(model: torch.nn.Module, layers: list[str], seed: int = 0) -> Iterator[None]:
+    """Inside, a skeleton (`is_meta`) holds values on the host for the construction probe's forwards (packing's
+    checks, the head check) without ever holding the whole model: what lies outside the decoder `layers` (names in
+    the transformers model: embeddings, head, norms) whole, and one set of values per kind of layer (its class and
+    its parameters' shapes), shared by every layer of that kind. The values are the model's own random init
+    (`initialize`, seed `seed`; a parameter its init does not know: normal, std 0.02), whatever the model is later
+    filled with: the probe checks what the layers do with packed rows, which is the same on any weights. On exit,
+    every parameter is the meta tensor it was; the values are freed."""
+    base = _base(model)
+    stand_in: dict[int, torch.nn.Parameter] = {}  # id(meta parameter) -> its value inside
+    kinds: dict[tuple, dict[str, torch.Tensor]] = {}  # a kind of layer -> its stand-ins by name in the layer
+
+    def value(param: torch.Tensor) -> torch.nn.Parameter:
+        data = torch.empty(param.shape, dtype=param.dtype)
+        data.normal_(0, 0.02) if data.is_floating_point() else data.zero_()
+        return torch.nn.Parameter(data, requires_grad=param.requires_grad)
+
+    for name in layers:
+        named = list(base.get_submodule(name).named_parameters())
+        kind = (type(base.get_submodule(name)), tuple((n, tuple(p.shape), p.dtype) for n, p in named))
+        shared = kinds.setdefault(kind, {n: value(p) for n, p in named})
+        stand_in.update({id(p): shared[n] for n, p in named})
+    for param in model.parameters():
+        if id(param) not in stand_in:
+            stand_in[id(param)] = value(param)
+    swapped = [(module, key, param) for module in model.modules() for key, param in module._parameters.items()
+               if param is not None and id(param) in stand_in]  # fmt: skip
+    try:
+        for module, key, param in swapped:
+            module._parameters[key] = stand_in[id(param)]
+        _initialize_in_place(model, seed)
+        yield
+    finally:
+        for module, key, param in swapped:
+            module._parameters[key] = param
 
 
 def _glibc():
@@ -380,6 +421,21 @@ def initialize(model: torch.nn.Module, seed: int, only: Callable[[str], bool] | 
                     )
                 _copy_slice(real[name], value)
                 done.add(id(real[name]))
+
+
+def _initialize_in_place(model: torch.nn.Module, seed: int) -> None:
+    """`initialize`'s init written straight into `model`'s own (plain, host) parameters, each module whose
+    parameters are all initialised already skipped (a layer sharing another's values): no scratch copies."""
+    from transformers import initialization
+
+    done: set[int] = set()
+    with torch.no_grad(), torch.random.fork_rng(devices=[]), initialization.guard_torch_init_functions():
+        torch.manual_seed(seed)
+        for prefix, module, owner in _init_order(model):
+            own = [id(p) for p in module._parameters.values() if p is not None]
+            if own and not done.issuperset(own):
+                _init_module(prefix, module, owner)
+                done.update(own)
 
 
 def _init_order(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, PreTrainedModel]]:

@@ -176,8 +176,8 @@ def shard_model(
                     mp_policy=policy, offload_policy=offload)  # fmt: skip
     # The root is left to FSDP2's own rule (None: kept gathered from its forward to its backward), so that the LM
     # head the chunked loss runs after the forward (`head.head_inputs`) holds its whole weight. It is the
-    # transformers model, inside a peft model's wrappers, so that a forward of the transformers model alone (the
-    # construction probe, `head.head_inputs`) gathers it too.
+    # transformers model, inside a peft model's wrappers, so that a forward of the transformers model alone
+    # (`head.head_inputs`, the reference pass) gathers it too.
     fully_shard(base, mesh=dp_mesh, reshard_after_forward=None, mp_policy=policy, offload_policy=offload)
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -220,7 +220,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 def reshard(model: torch.nn.Module) -> None:
     """Free every gathered parameter of a sharded model (a no-op otherwise). A forward without a backward (the
-    construction probe, the head check, the reference pass) leaves the root gathered, as it is kept gathered from
+    reference pass) leaves the root gathered, as it is kept gathered from
     its forward to its backward: the embeddings and head whole on every rank until the next backward."""
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -4,8 +4,8 @@ for the slow tests of the meta-device build (tests/models/test_materialize.py).
     python tests/helpers/sharded_load.py '{"folder": "/tmp/m", "devices": 2, "out": "/tmp/load", "export": "/tmp/e"}'
 
 Each rank writes `<out>.rank<r>.json`: its peak RssAnon above the interpreter's own (sampled every 2 ms) from the
-model's construction to the end of its filling (build, shard, fill: `load_peak`) and to the end of setup (`fit`
-with `max_steps=0`: then the packing probe's forward, which gathers the root as every step does: `setup_peak`),
+model's construction to its end (the skeleton's packing probe: `build_peak`), from there to the end of its filling
+(shard, fill: `load_peak`) and from the start to the end of setup (`fit` with `max_steps=0`: `setup_peak`),
 what it holds then (`held`) and its peak during the export when asked; whether every local shard equals the
 checkpoint's slice bit for bit (cast to fp32), whether the buffers equal those the model's own rotary module
 computes, and whether a tied head is one storage. `"whole": true` builds the model whole on every rank first (no
@@ -96,28 +96,31 @@ def buffers_equal(lm: PackedCausalLM) -> bool:
 def main(settings: dict) -> None:
     sampler = PeakSampler()
     base = sampler.reset()
-    loaded: list[int] = []  # the peak once the model is filled, before it is packed (the probe's forward)
-    finish_build = loading.finish_build
+    loaded: list[int] = []  # the peak from the end of construction to the end of filling
+    materialize = loading.materialize
 
-    def packed_after_filling(*args, **kwargs):
+    def measured(*args, **kwargs):
+        materialize(*args, **kwargs)
         loaded.append(sampler.peak - base)
-        return finish_build(*args, **kwargs)
 
-    loading.finish_build = packed_after_filling
+    loading.materialize = measured
     folder = Path(settings["folder"]) if settings.get("folder") else None
     torch.manual_seed(SEED)
     source = {"name_or_path": str(folder)} if folder else {"model_config": settings["model_config"]}
     with deferred_weights() if not settings.get("whole") else torch.device("cpu"):
         lm = PackedCausalLM(**source, lora=settings.get("lora"), memory_check=False, isolation_check=False)
+    build_peak = sampler.peak - base  # the skeleton's packing probe (built whole: the build itself)
+    sampler.peak = rss_anon()
     tp = settings.get("tp", 1)
     strategy = ShardedStrategy(data_parallel_size=settings["devices"] // tp, tensor_parallel_size=tp)
     trainer = Trainer(accelerator="cpu", devices=settings["devices"], strategy=strategy, max_steps=0,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False)  # fmt: skip
     trainer.fit(lm, train_dataloaders=[{}])
-    setup_peak = sampler.peak - base
+    setup_peak = max(build_peak, sampler.peak - base)
     out = {
-        "load_peak": loaded[0] if loaded else setup_peak,  # built whole: the build itself
+        "build_peak": build_peak,
+        "load_peak": loaded[-1] if loaded else build_peak,  # built whole: the build itself
         "setup_peak": setup_peak,
         "held": rss_anon() - base,
         "slices_equal": slices_equal(lm, folder) if folder else None,
