@@ -18,8 +18,7 @@ a + b * tokens + c * pairs (pairs: the attention cost, sum(L^2) packed, rows x w
 largest step.
 Gradient checkpointing keeps each layer's input plus one recomputed layer instead. Sharded with FSDP2, parameters,
 gradients and AdamW's states count this rank's shard only (1/N of each over N data-parallel ranks), plus what is
-gathered whole at once: the root's parameters and two decoder layers' (or untied embeddings and one layer:
-`sharding.gathered_parameter_bytes`); the
+gathered whole at once: the root's parameters and two decoder layers' (`sharding.gathered_parameter_bytes`); the
 start-up line says so; with `cpu_offload` on a GPU, the shards in host memory are not counted on the device (not
 measured on a GPU yet). Context parallel over cp ranks, a rank's activations are those of its 1/cp of the pack's
 tokens and causal pairs, plus the keys and values each layer gathers (about the whole pack's), and so are

@@ -56,12 +56,10 @@ TP_STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwis
 
 
 class ShardPlan(NamedTuple):
-    """What `shard_model` wraps: each decoder layer (by qualified name), the input embeddings when they are not the
-    LM head's weight (`embeddings`: their qualified name, else None), then the root."""
+    """What `shard_model` wraps: each decoder layer (by qualified name), then the root."""
 
     layers: list[str]
     layer_class: str
-    embeddings: str | None = None
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
@@ -98,20 +96,7 @@ def shard_plan(model: torch.nn.Module) -> ShardPlan:
             "train it with trainer.strategy=ddp",
         )
     layer_class = next(c.__name__ for c in type(base.get_submodule(outer[0])).__mro__ if c.__name__ in names)
-    return ShardPlan(outer, layer_class, _own_embeddings(base))
-
-
-def _own_embeddings(base: torch.nn.Module) -> str | None:
-    """The qualified name of the input embeddings when they can be a shard group of their own: they hold
-    parameters, none shared with another module (a tied LM head), and lie outside the decoder layers."""
-    embeddings = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
-    if embeddings is None:
-        return None
-    own = {id(p) for p in embeddings.parameters()}
-    name = next((n for n, m in base.named_modules() if m is embeddings), None)
-    elsewhere = {id(p) for n, m in base.named_modules() if m is not embeddings and not n.startswith(f"{name}.")
-                 for p in m.parameters(recurse=False)}  # fmt: skip
-    return name if own and name and not own & elsewhere else None
+    return ShardPlan(outer, layer_class)
 
 
 def tensor_parallel_plan(model: torch.nn.Module, size: int) -> dict[str, ParallelStyle]:
@@ -189,9 +174,6 @@ def shard_model(
     for name in plan.layers:
         fully_shard(base.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=policy, offload_policy=offload)  # fmt: skip
-    if plan.embeddings is not None:  # untied: gathered for the embedding lookup only, not held with the LM head
-        fully_shard(base.get_submodule(plan.embeddings), mesh=dp_mesh, reshard_after_forward=True, mp_policy=policy,
-                    offload_policy=offload)  # fmt: skip
     # The root is left to FSDP2's own rule (None: kept gathered from its forward to its backward), so that the LM
     # head the chunked loss runs after the forward (`head.head_inputs`) holds its whole weight. It is the
     # transformers model, inside a peft model's wrappers, so that a forward of the transformers model alone
@@ -277,11 +259,10 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
 
 
 def gathered_parameter_bytes(model: torch.nn.Module, mixed: bool) -> int:
-    """What a sharded model holds whole at once beyond its shards: the root's parameters (final norm, LM head, tied
-    embeddings: gathered from the forward to the backward) and two decoder layers' (the one running and the one
-    gathered ahead of it), or, while untied embeddings of their own group run, theirs and one layer's; in the dtype
-    they are gathered in (2 bytes under mixed precision); with tensor parallel, a layer's split weights count this
-    rank's part (`gathered_numel`).
+    """What a sharded model holds whole at once beyond its shards: the root's parameters (embeddings, final norm, LM
+    head: gathered from the forward to the backward) and two decoder layers' (the one running and the one gathered
+    ahead of it), in the dtype they are gathered in (2 bytes under mixed precision); with tensor parallel, a layer's
+    split weights count this rank's part (`gathered_numel`).
 
     >>> layer = torch.nn.Linear(4, 4, bias=False)            # 16 parameters
     >>> model = torch.nn.Sequential(torch.nn.Embedding(10, 4), layer)
@@ -295,12 +276,10 @@ def gathered_parameter_bytes(model: torch.nn.Module, mixed: bool) -> int:
     def size(params) -> int:
         return sum(gathered_numel(p) * (2 if mixed and p.is_floating_point() else p.element_size()) for p in params)
 
-    groups = [*plan.layers, *([plan.embeddings] if plan.embeddings else [])]
     layers = [size(base.get_submodule(name).parameters()) for name in plan.layers]
-    embeddings = size(base.get_submodule(plan.embeddings).parameters()) if plan.embeddings else 0
-    grouped = {id(p) for name in groups for p in base.get_submodule(name).parameters()}
-    root = size(p for p in model.parameters() if id(p) not in grouped)
-    return root + max(2 * max(layers), embeddings + max(layers))
+    in_layers = {id(p) for name in plan.layers for p in base.get_submodule(name).parameters()}
+    root = size(p for p in model.parameters() if id(p) not in in_layers)
+    return root + 2 * max(layers)
 
 
 def gathered_numel(param: torch.Tensor) -> int:

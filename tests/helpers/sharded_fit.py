@@ -7,8 +7,7 @@ second and fourth of a step much longer than the first and third, so that with 2
 third, rank 1 the second and fourth; accumulation 2) rank 1 holds 7x rank 0's label tokens (126 vs 18). One
 process accumulating 4 trains the same steps. Rank 0 writes {"losses", "grad_norms", "reduce_scatters",
 "all_gathers", "weights"} to `out`: the per-step logged loss, the step's global gradient norm before clipping,
-FSDP2's reduce-scatter and all-gather calls per step, and the final full weights. `"untied": true`: the tiny Llama
-with embeddings and LM head of their own.
+FSDP2's reduce-scatter and all-gather calls per step, and the final full weights.
 """
 
 from __future__ import annotations
@@ -117,8 +116,7 @@ def main(settings: dict) -> None:
     deferred = kind == "fsdp2" and not settings.get("whole")
     with deferred_weights() if deferred else contextlib.nullcontext():
         lm = PackedCausalLM(
-            model_config={**TINY_LLAMA, "tie_word_embeddings": not settings.get("untied", False)},
-            lora=settings.get("lora"),
+            model_config=TINY_LLAMA, lora=settings.get("lora"),
             gradient_checkpointing=settings.get("gradient_checkpointing", False), **RUN,
         )  # fmt: skip
     recorder = Recorder()

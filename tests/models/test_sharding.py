@@ -65,23 +65,6 @@ def test_each_decoder_layer_is_a_shard_group_and_the_rest_is_the_root():
     assert plan.layer_class == "LlamaDecoderLayer"
 
 
-UNTIED = {**TINY_LLAMA, "tie_word_embeddings": False}
-
-
-def test_untied_embeddings_are_a_shard_group_of_their_own_and_tied_ones_stay_in_the_root(fake_world):
-    """Untied, a step gathers the embeddings for their lookup only (resharded after it), not with the LM head the
-    root holds from the forward to the backward; tied, they are the head's weight and stay in the root."""
-    from torch.distributed.fsdp import FSDPModule
-
-    assert shard_plan(tiny_model(TINY_LLAMA)).embeddings is None
-    assert shard_plan(apply_lora(tiny_model(UNTIED), LORA)).embeddings == "model.embed_tokens"
-    for config, own in ((UNTIED, True), (TINY_LLAMA, False)):
-        model = tiny_model(config)
-        shard_model(model, init_device_mesh("cpu", (4, 1), mesh_dim_names=MESH_DIMS), "32-true")
-        assert isinstance(model.model.embed_tokens, FSDPModule) is own
-        assert not isinstance(model.lm_head, FSDPModule) and isinstance(model, FSDPModule)
-
-
 def test_a_lora_model_is_sharded_by_its_transformers_models_layers():
     plan = shard_plan(apply_lora(tiny_model(TINY_LLAMA), LORA))
     assert plan.layers == ["model.layers.0", "model.layers.1"]  # named in the transformers model peft wraps
@@ -258,13 +241,6 @@ def test_gathered_bytes_are_the_root_and_two_layers_in_the_gather_dtype():
     assert gathered_parameter_bytes(model, mixed=True) == 2 * (root + 2 * layer)
 
 
-def test_untied_embeddings_are_gathered_with_one_layer_beside_the_root():
-    model = tiny_model(UNTIED)
-    layer = sum(p.numel() for p in model.model.layers[0].parameters())
-    root, embeddings = 49152 * 64 + 64, 49152 * 64  # LM head and final norm; the embeddings, a group of their own
-    assert gathered_parameter_bytes(model, mixed=False) == 4 * (root + max(2 * layer, embeddings + layer))
-
-
 def memory(shards: int, gathered: int) -> MemoryModel:
     GiB = 2**30
     return MemoryModel(
@@ -299,8 +275,7 @@ def fits(tmp_path_factory) -> dict[str, dict]:
     """The same 3 optimizer steps, run at once: 1 process, 2-rank DDP, 2-rank FSDP2, 2 x 2 (data x tensor
     parallel) on 4 ranks; LoRA with activation checkpointing on 1 process and FSDP2; context parallel on 2 ranks
     (each pack split over both), and 2 x 2 data x context parallel with activation checkpointing; FSDP2 with its
-    shards kept in host memory (`cpu_offload`) and activation checkpointing; untied embeddings and head on 1 process
-    and FSDP2. FSDP2 builds on
+    shards kept in host memory (`cpu_offload`) and activation checkpointing. FSDP2 builds on
     the meta device and fills each rank's shards (the random init and the adapters' as one process makes them);
     2 x 2 builds the model whole on every rank and shards it. Each run's {"losses", "grad_norms", "reduce_scatters",
     "all_gathers", "weights"}."""
@@ -315,8 +290,6 @@ def fits(tmp_path_factory) -> dict[str, dict]:
         "cp": {"devices": 2, "strategy": "fsdp2", "context_parallel": 2},
         "dp_cp": {"devices": 4, "strategy": "fsdp2", "context_parallel": 2, "gradient_checkpointing": True},
         "fsdp2_offload_ckpt": {"devices": 2, "strategy": "fsdp2", "cpu_offload": True, "gradient_checkpointing": True},
-        "one_untied": {"devices": 1, "untied": True},
-        "fsdp2_untied": {"devices": 2, "strategy": "fsdp2", "untied": True},
     }
     running = {}
     for name, run in settings.items():
@@ -390,19 +363,6 @@ def test_accumulating_2_micro_batches_reduce_scatters_once_per_group_and_step(fi
     accumulates); with LoRA the root holds no trainable weight: 2."""
     assert fits["fsdp2"]["reduce_scatters"] == [3, 3, 3]
     assert fits["fsdp2_lora"]["reduce_scatters"] == [2, 2, 2]
-
-
-@pytest.mark.slow
-def test_untied_embeddings_sharded_as_a_group_of_their_own_train_the_steps_of_one_process(fits):
-    """Untied, the embeddings are a shard group of their own (gathered for their lookup, resharded after it, gathered
-    again in the backward): 4 reduce-scatters a step (2 layers, the embeddings, the root) and 14 all-gathers (2
-    micro-batches x (the root, the embeddings and 2 layers forward, 2 layers and the embeddings backward)), and one
-    process's steps (measured: losses within 5e-8, norms 1.4e-8 relative, weights 2.0e-5)."""
-    sharded, expected = fits["fsdp2_untied"], fits["one_untied"]
-    assert sharded["reduce_scatters"] == [4, 4, 4] and sharded["all_gathers"][1:] == [14, 14]
-    assert sharded["losses"] == pytest.approx(expected["losses"], abs=LOSS_ATOL)
-    assert sharded["grad_norms"] == pytest.approx(expected["grad_norms"], rel=NORM_RTOL)
-    assert max_weight_diff(sharded["weights"], expected["weights"]) < WEIGHT_ATOL
 
 
 @pytest.mark.slow
