@@ -65,7 +65,8 @@ def pack_cap(files: list[Path]) -> list[str]:
     samplers = [((yaml.safe_load(f.read_text()).get("data") or {}).get("sampler") or {}).get("init_args") or {}
                 for f in files]  # fmt: skip
     capped = ["--data.sampler.init_args.max_tokens=4096"] if any("max_tokens" in s for s in samplers) else []
-    return capped + (["--data.sampler.init_args.rows_per_step=1"] if any("rows_per_step" in s for s in samplers) else [])
+    one_row = ["--data.sampler.init_args.rows_per_step=1"] if any("rows_per_step" in s for s in samplers) else []
+    return capped + one_row
 
 
 def resolved(args: list[str], capsys) -> dict:
