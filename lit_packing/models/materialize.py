@@ -210,7 +210,7 @@ def probe_values(model: torch.nn.Module, layers: list[str], seed: int = 0) -> It
     checks, the head check) without ever holding the whole model: what lies outside the decoder `layers` (names in
     the transformers model: embeddings, head, norms) whole, and one set of values per kind of layer (its class and
     its parameters' shapes), shared by every layer of that kind. The values are the model's own random init
-    (`initialize`, seed `seed`; a parameter its init does not know: normal, std 0.02), whatever the model is later
+    (its `_init_weights` under seed `seed`; a parameter that init does not know: normal, std 0.02), whatever it is later
     filled with: the probe checks what the layers do with packed rows, which is the same on any weights. On exit,
     every parameter is the meta tensor it was; the values are freed."""
     base = _base(model)
@@ -218,8 +218,10 @@ def probe_values(model: torch.nn.Module, layers: list[str], seed: int = 0) -> It
     kinds: dict[tuple, dict[str, torch.Tensor]] = {}  # a kind of layer -> its stand-ins by name in the layer
 
     def value(param: torch.Tensor) -> torch.nn.Parameter:
-        data = torch.empty(param.shape, dtype=param.dtype)
-        data.normal_(0, 0.02) if data.is_floating_point() else data.zero_()
+        if param.is_floating_point():
+            data = torch.empty(param.shape, dtype=param.dtype).normal_(0, 0.02)
+        else:
+            data = torch.zeros(param.shape, dtype=param.dtype)
         return torch.nn.Parameter(data, requires_grad=param.requires_grad)
 
     for name in layers:
