@@ -391,11 +391,8 @@ def initialize(model: torch.nn.Module, seed: int, only: Callable[[str], bool] | 
         ConfigError: a selected parameter that the init leaves untouched (a module the model's `_init_weights` does
             not know), on a model that was built without values (meta).
     """
-    from transformers import initialization
-
     done: set[int] = set()
-    with torch.no_grad(), torch.random.fork_rng(devices=[]), initialization.guard_torch_init_functions():
-        torch.manual_seed(seed)
+    with _seeded_init(seed):
         for prefix, module, owner in _init_order(model):
             params = [(n, p) for n, p in module.named_parameters(recurse=False)
                       if id(p) not in done and (only is None or only(prefix + n))]  # fmt: skip
@@ -428,16 +425,24 @@ def initialize(model: torch.nn.Module, seed: int, only: Callable[[str], bool] | 
 def _initialize_in_place(model: torch.nn.Module, seed: int) -> None:
     """`initialize`'s init written straight into `model`'s own (plain, host) parameters, each module whose
     parameters are all initialised already skipped (a layer sharing another's values): no scratch copies."""
-    from transformers import initialization
-
     done: set[int] = set()
-    with torch.no_grad(), torch.random.fork_rng(devices=[]), initialization.guard_torch_init_functions():
-        torch.manual_seed(seed)
+    with _seeded_init(seed):
         for prefix, module, owner in _init_order(model):
             own = [id(p) for p in module._parameters.values() if p is not None]
             if own and not done.issuperset(own):
                 _init_module(prefix, module, owner)
                 done.update(own)
+
+
+@contextlib.contextmanager
+def _seeded_init(seed: int) -> Iterator[None]:
+    """Inside: no autograd, a generator of its own seeded with `seed` (the caller's random state untouched), and
+    transformers' guard on its init functions, as `initialize` and `_initialize_in_place` run the model's init."""
+    from transformers import initialization
+
+    with torch.no_grad(), torch.random.fork_rng(devices=[]), initialization.guard_torch_init_functions():
+        torch.manual_seed(seed)
+        yield
 
 
 def _init_order(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, PreTrainedModel]]:
