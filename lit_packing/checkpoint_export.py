@@ -26,6 +26,7 @@ from lit_packing.models.export import (
     pretrained_tokenizer,
 )
 from lit_packing.models.loading import build_model
+from lit_packing.models.weights import all_finite
 from lit_packing.preflight import SHARDED_METADATA, read_checkpoint
 
 
@@ -91,7 +92,7 @@ def export_checkpoint(
     for index, names in enumerate(files, start=1):
         name = "model.safetensors" if len(files) == 1 else f"model-{index:05d}-of-{len(files):05d}.safetensors"
         tensors = read(names)
-        broken = [key for key, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+        broken = [key for key, t in tensors.items() if t.is_floating_point() and not all_finite(t)]
         if broken:
             raise TrainingError(f"not exporting {ckpt_path}: {broken[0]} holds NaN or inf; the run diverged: "
                                 "export an earlier checkpoint")  # fmt: skip

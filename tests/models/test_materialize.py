@@ -486,16 +486,17 @@ def test_loading_on_n_ranks_costs_each_rank_its_shard(loads):
 @pytest.mark.slow
 @pytest.mark.serial
 def test_the_export_round_trips_without_rank_0_holding_the_model(loads):
-    """From 2 ranks, tied. Rank 0 holds its shard and one other rank's block of rows at a time: measured 0.70-0.83
-    x the model at its peak over ten runs, 0.11-0.21 above what it held just before the export (the embeddings'
-    block is 0.105; that baseline carries what the helper's checks left in the heap); gathering each tensor whole
-    took it to 0.95-1.01."""
+    """From 2 ranks, tied. Rank 0 holds its shard and one other rank's block of rows at a time: measured 0.63-0.65
+    x the model at its peak, 0.11-0.13 above what it held before the export (the embeddings' block is 0.105). With
+    each tensor's finiteness checked whole (`torch.isfinite`'s temporaries: 1.8 x the embeddings' shard) it was
+    0.70-0.83; gathering each tensor whole took it to 0.95-1.01."""
     tmp = loads["tmp"]
     assert_export_round_trips(tmp, "big", "big_export")
     assert len(list((tmp / "big_export").glob("*.safetensors"))) > 1
     rank0, model = loads["big2_export"][0], loads["model_bytes"]
-    assert rank0["export_peak"] < 0.85 * model, rank0["export_peak"] / model
-    assert rank0["export_peak"] - rank0["held_before_export"] < 0.2 * model, rank0["held_before_export"] / model
+    assert rank0["export_peak"] < 0.75 * model, rank0["export_peak"] / model
+    excess = rank0["export_peak"] - rank0["held_before_export"]
+    assert excess < 0.16 * model, (excess / model, rank0["held_before_export"] / model)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from lit_packing.cli import cli_main
 from lit_packing.errors import TrainingError
 from lit_packing.models import PackedCausalLM
+from lit_packing.models.weights import FINITE_CHECK_ELEMENTS, all_finite
 
 TINY = {
     "model_type": "llama", "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
@@ -83,6 +84,20 @@ def test_export_refuses_nonfinite_weights(tmp_path):
     ):
         lm.export(str(tmp_path / "export"))
     assert not (tmp_path / "export").exists()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_the_finiteness_check_sees_every_element_in_chunks(bad):
+    """Checked a chunk at a time (its temporaries a chunk's, not the tensor's): a bad value is found wherever it
+    is, in the last chunk, in a column of a transposed (non-contiguous) tensor, in a 0-dim tensor."""
+    rows = 3 * FINITE_CHECK_ELEMENTS // 64 + 5  # more than three chunks of 64-wide rows, the last one short
+    weight = torch.randn(rows, 64)
+    assert all_finite(weight) and all_finite(weight.t()) and all_finite(torch.tensor(1.0))
+    for where in ((rows - 1, 63), (0, 0), (rows // 2, 17)):
+        broken = weight.clone()
+        broken[where] = bad
+        assert not all_finite(broken) and not all_finite(broken.t()), where
+    assert not all_finite(torch.tensor(bad)) and not all_finite(torch.full((7,), bad, dtype=torch.bfloat16))
 
 
 def test_everything_dropped_exits_2_before_training(tmp_path, capsys):
