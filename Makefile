@@ -71,18 +71,20 @@ test: setup emulated
 
 # `make test-slow`: the slow tests in two passes. First every slow test not marked `serial` (in-process fits, the
 # documented commands, compile, multi-rank runs that compare losses and weights) on every core through
-# pytest-xdist, a test file to a worker; then the `serial` ones one at a time: they kill processes at a moment,
-# measure memory peaks or launch on loopback ports, and want the cores to themselves. Both passes always run. pytest's
+# pytest-xdist, a test file to a worker; then the `serial` ones, two test files at a time (pytest-xdist, 2
+# workers): they kill processes at a moment, measure memory peaks or check that no process outlives a run, which
+# the first pass's many-process fits would crowd; two of them side by side leave no core idle (one at a time, the
+# cores were 37% idle: most run one process). Both passes always run. pytest's
 # exit status 5 means "no test collected" (e.g. a PYTEST_ARGS -k that selects no slow test): not a failure. A slow
 # test still running after SLOW_TIMEOUT seconds fails with every thread's stack (pytest-timeout's thread method: it
 # ends a test blocked inside native code, a collective or a join, which a signal cannot interrupt), so a hang costs
 # minutes and names itself rather than taking the rest of a CI run; a worker that dies fails the pass at once.
 SLOW_TIMEOUT ?= 900
 test-slow: setup emulated
-	@echo "==> pytest -m 'slow and not serial' on every core, then pytest -m 'slow and serial' one at a time"
+	@echo "==> pytest -m 'slow and not serial' on every core, then pytest -m 'slow and serial' on 2 workers"
 	status=0; \
 	$(PY) -m pytest -m "slow and not serial" -n auto --dist loadfile --max-worker-restart=0 --timeout=$(SLOW_TIMEOUT) --timeout-method=thread $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
-	$(PY) -m pytest -m "slow and serial" --timeout=$(SLOW_TIMEOUT) --timeout-method=thread $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
+	$(PY) -m pytest -m "slow and serial" -n 2 --dist loadfile --max-worker-restart=0 --timeout=$(SLOW_TIMEOUT) --timeout-method=thread $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
 	exit $$status
 
 test-all: setup emulated

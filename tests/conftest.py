@@ -81,8 +81,9 @@ def no_leaked_process_group():
 
 
 def pytest_collection_modifyitems(config, items):
-    # `serial` tests run alone in `make test-slow`'s second pass; one not also `slow` would run in `make test` beside
-    # other tests (pytest-xdist), where what makes it serial (killed processes, memory peaks) is not safe.
+    # `serial` tests run in `make test-slow`'s second pass, two at a time; one not also `slow` would run in `make test`
+    # beside every other fast test (pytest-xdist), where what makes it serial (killed processes, memory peaks) is not
+    # safe.
     unsafe = [item.nodeid for item in items if "serial" in item.keywords and "slow" not in item.keywords]
     if unsafe:
         raise pytest.UsageError(f"marked serial but not slow: {', '.join(unsafe)}")

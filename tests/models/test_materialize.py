@@ -393,8 +393,8 @@ def start_loads(tmp: Path, runs: dict[str, dict]) -> dict:
 
 @pytest.fixture(scope="module")
 def loads(tmp_path_factory) -> dict:
-    """The big model's loads, whose memory is measured (the serial pass: nothing else runs beside them), with
-    "model_bytes"."""
+    """The big model's loads, whose memory is measured (the serial pass: one other serial test at most beside them;
+    each rank's resident memory is its own), with "model_bytes"."""
     tmp = tmp_path_factory.mktemp("materialize")
     big_bytes = save_checkpoint(tmp / "big", BIG, "200MB")
     runs = {
