@@ -42,7 +42,7 @@ from lit_packing.models.sharding import (
 )
 from lit_packing.strategies import ShardedStrategy
 from tests.conftest import TINY_CONFIGS
-from tests.helpers import LORA, TINY_LLAMA, tiny_model
+from tests.helpers import LORA, TINY_LLAMA, launch, tiny_model
 
 ROOT = Path(__file__).parents[2]
 FIT = ROOT / "tests" / "helpers" / "sharded_fit.py"
@@ -294,11 +294,9 @@ def fits(tmp_path_factory) -> dict[str, dict]:
     running = {}
     for name, run in settings.items():
         args = [sys.executable, str(FIT), json.dumps({**run, "out": str(tmp / f"{name}.pt")})]
-        log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 (closed below)
-        running[name] = (subprocess.Popen(args, cwd=tmp, env=env(), stdout=log, stderr=subprocess.STDOUT), log)
-    for name, (process, log) in running.items():
+        running[name] = launch.start(args, cwd=tmp, env=env(), stdout=tmp / f"{name}.log", merge_stderr=True)
+    for name, process in running.items():
         assert process.wait(timeout=600) == 0, (tmp / f"{name}.log").read_text()[-4000:]
-        log.close()
     return {name: torch.load(tmp / f"{name}.pt", weights_only=True) for name in settings}
 
 
@@ -406,10 +404,11 @@ def cli_fit(tmp: Path, name: str, *extra: str, devices: int = 2, base: str = "pa
 
 def run_all(tmp: Path, runs: dict[str, list[str]]) -> dict[str, str]:
     """Start every command at once; each one's output once all have ended (each must succeed)."""
-    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    started = {name: subprocess.Popen(args, cwd=tmp, env=env(), **pipes) for name, args in runs.items()}
-    out = {name: process.communicate(timeout=600)[0] for name, process in started.items()}
+    started = {name: launch.start(args, cwd=tmp, env=env(), merge_stderr=True) for name, args in runs.items()}
+    out = {}
     for name, process in started.items():
+        process.wait(timeout=600)
+        out[name] = process.output()[0]
         assert process.returncode == 0, out[name][-4000:]
     return out
 
