@@ -134,7 +134,7 @@ def test_continuing_a_run_with_nothing_left_to_train_stops_before_training(tmp_p
     """`max_steps` counts from the start of the run: the same limit again stops at once, naming the checkpoint's
     step and the value that trains more; that value trains, from the exact position. Before that, `validate` and
     `test` of the first fit's checkpoint print their metrics and write no run folder."""
-    run = [*QUICK[:-1], "--data.limit=64", "--trainer.max_steps=2"]
+    run = [*QUICK[:-1], "--data.limit=24", "--trainer.max_steps=2"]
     assert main_py(tmp_path, *run).returncode == 0
     ckpt = ["--ckpt_path", "last"]  # the run's newest checkpoint, in its folder
     before = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").rglob("*"))

@@ -6,6 +6,9 @@ environment, arguments (`sys.argv`, `sys.path` from `PYTHONPATH`) and output fil
 `__main__` and ends as an interpreter ends (its threads joined, its exit handlers run). What the toolkit launches in
 turn (the other ranks of a multi-rank fit, its loader workers) are started by the toolkit itself, as for a user.
 
+What a fork shares with its siblings that new interpreters would not: the string-hash seed (`PYTHONHASHSEED`), and
+memory pages until either writes them (each process's resident memory is still its own).
+
 A launch whose environment differs from the server's in a variable read at import (`HF_HUB_OFFLINE` and the like:
 anything not in `RUN_TIME` below) or whose interpreter is another starts a new interpreter instead, and so does
 every launch when `LIT_PACKING_TEST_FORK=0`.
@@ -32,7 +35,7 @@ from pathlib import Path
 
 # What a launch's environment may change from the server's: read when used, not at import. Anything else differing
 # (an offline switch, a cache folder, a CPU capability) gets a new interpreter.
-RUN_TIME = {"PYTHONPATH", "PYTHONFAULTHANDLER", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "TMPDIR", "MASTER_ADDR",
+RUN_TIME = {"PATH", "PYTHONPATH", "PYTHONFAULTHANDLER", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "TMPDIR", "MASTER_ADDR",
             "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
             "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"}  # fmt: skip
 RUN_TIME_PREFIXES = ("WANDB_", "PYTEST_", "LIT_PACKING_", "SLURM_")
@@ -106,6 +109,8 @@ os.environ.update(env)
 for key, value in added.items():
     os.environ.setdefault(key, value)
 tempfile.tempdir = None
+if "numpy" in sys.modules:  # seeded from the system's entropy at import, as each new interpreter's is (random: by fork)
+    sys.modules["numpy"].random.seed()
 if env.get("OMP_NUM_THREADS"):
     import torch
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
