@@ -72,7 +72,7 @@ def test_a_launch_in_a_session_of_its_own_ends_by_its_group(script, fork):
     assert started.wait(timeout=60) == -signal.SIGKILL
 
 
-def test_an_environment_read_at_import_gets_a_new_interpreter(script):
+def test_an_environment_read_at_import_gets_a_new_interpreter(script, monkeypatch):
     args, cwd, env = script
     assert launch.forkable(args, env)
     for changed in ({"HF_HUB_OFFLINE": "0" if env.get("HF_HUB_OFFLINE") == "1" else "1"}, {"HF_HOME": str(cwd)}):
@@ -83,3 +83,7 @@ def test_an_environment_read_at_import_gets_a_new_interpreter(script):
     assert launch.forkable([sys.executable, "-m", "lit_packing", "export"], env)
     done = launch.run([*args, "0"], cwd=cwd, env={**env, "HF_HOME": str(cwd)}, timeout=120)
     assert done.returncode == 0 and "env seen" in done.stdout
+    # This process's own environment changed (an in-process fit sets NO_COLOR): a server imported in it forks
+    monkeypatch.setenv("NO_COLOR", "1")
+    started = launch.start([*args, "0"], cwd=cwd, env={**env, "NO_COLOR": "1"})
+    assert started.forked and started.wait(timeout=120) == 0 and launch._SERVER.env["NO_COLOR"] == "1"

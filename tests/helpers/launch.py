@@ -37,8 +37,8 @@ from pathlib import Path
 # (an offline switch, a cache folder, a CPU capability) gets a new interpreter.
 RUN_TIME = {"PATH", "PYTHONPATH", "PYTHONFAULTHANDLER", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "TMPDIR", "MASTER_ADDR",
             "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-            "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"}  # fmt: skip
-RUN_TIME_PREFIXES = ("WANDB_", "PYTEST_", "LIT_PACKING_", "SLURM_")
+            "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID"}  # fmt: skip
+RUN_TIME_PREFIXES = ("WANDB_", "PYTEST_", "LIT_PACKING_", "SLURM_", "PL_")  # PL_: Lightning's seed, read when used
 PRELOAD = ("torch", "lightning.pytorch", "transformers", "datasets", "lit_packing.cli")
 
 SERVER = r"""
@@ -154,27 +154,35 @@ class _Server:
 
 
 _SERVER: _Server | None = None
+_RETIRED: list[_Server] = []  # servers whose environment this process left: kept until it ends (their forks report)
+
+
+def _read_at_import(a: dict[str, str], b: dict[str, str]) -> list[str]:
+    """The variables read at import (not run-time ones) whose values differ between two environments."""
+    keys = {k for k in set(a) | set(b) if k not in RUN_TIME and not k.startswith(RUN_TIME_PREFIXES)}
+    return sorted(k for k in keys if a.get(k) != b.get(k))
 
 
 def _server() -> _Server:
+    """This process's server, imported in its present environment: a new one if this process's environment has
+    changed since in what is read at import (an in-process fit sets variables), the old one kept running."""
     global _SERVER
-    if _SERVER is None or _SERVER.process.poll() is not None:
-        _SERVER = _Server()
+    if _SERVER is not None and _SERVER.process.poll() is None and not _read_at_import(_SERVER.env, {**os.environ}):
+        return _SERVER
+    if _SERVER is not None:
+        _RETIRED.append(_SERVER)
+    _SERVER = _Server()
     return _SERVER
 
 
 def forkable(args: list[str], env: dict[str, str]) -> bool:
     """Whether this launch can be forked from the server: this interpreter, and an environment that differs from
-    the one the server imported in only in what is read at run time."""
+    this process's (which the server imported in) only in what is read at run time."""
     if os.environ.get("LIT_PACKING_TEST_FORK") == "0" or args[0] != sys.executable or len(args) < 2:
         return False
     if args[1].startswith("-") and args[1] != "-m":
         return False
-    server_env = _SERVER.env if _SERVER is not None else {**os.environ}
-    keys = set(env) | set(server_env)
-    return all(
-        env.get(k) == server_env.get(k) for k in keys if k not in RUN_TIME and not k.startswith(RUN_TIME_PREFIXES)
-    )
+    return not _read_at_import(env, {**os.environ})
 
 
 class Launched:
