@@ -133,11 +133,11 @@ else:
 
 
 class _Server:
-    """One per test process, started at its first launch: imports `PRELOAD`, then forks a process per request."""
+    """Started at a test process's first launch (again when its environment changed): imports `PRELOAD` in that
+    environment, then forks a process per request."""
 
     def __init__(self) -> None:
-        self.env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-        self.env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
+        self.env = dict(os.environ)
         self._imports = tempfile.NamedTemporaryFile(prefix="launch_server_", suffix=".stderr")  # noqa: SIM115
         self.process = subprocess.Popen(
             [sys.executable, "-c", SERVER, self._imports.name, *PRELOAD], stdin=subprocess.PIPE,
