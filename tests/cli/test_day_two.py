@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY
-from tests.helpers.launch import run
 
 ROOT = Path(__file__).parents[2]
 
@@ -24,7 +23,10 @@ def main_py(tmp_path: Path, *args: str, offline: bool = True, timeout: float = 3
     if offline:
         env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     env.update(WANDB_MODE="offline", PYTHONPATH=str(ROOT))
-    return run([sys.executable, str(ROOT / "main.py"), *args], cwd=tmp_path, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "main.py"), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
 
 
 def one_line_error(done: subprocess.CompletedProcess) -> str:
