@@ -73,8 +73,8 @@ test: setup emulated
 # documented commands, compile, multi-rank runs that compare losses and weights) on every core through
 # pytest-xdist, a test file to a worker; then the `serial` ones, two test files at a time (pytest-xdist, 2
 # workers): they kill processes at a moment, measure memory peaks or check that no process outlives a run, which
-# the first pass's many-process fits would crowd; two of them side by side leave no core idle (one at a time, the
-# cores were 37% idle: most run one process). Both passes always run. pytest's
+# the first pass's many-process fits would crowd; two of them side by side keep the cores busier (idle 37% one at
+# a time, most running one process; 12.5% two at a time). Both passes always run. pytest's
 # exit status 5 means "no test collected" (e.g. a PYTEST_ARGS -k that selects no slow test): not a failure. A slow
 # test still running after SLOW_TIMEOUT seconds fails with every thread's stack (pytest-timeout's thread method: it
 # ends a test blocked inside native code, a collective or a join, which a signal cannot interrupt), so a hang costs
