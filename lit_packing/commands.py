@@ -42,8 +42,10 @@ def main() -> None:
         if command in ("-h", "--help"):
             print(__doc__.split("\n\n")[1].rstrip("\n") + "\n")
         from lit_packing.cli import cli_main
+        from lit_packing.processes import leave_process_group
 
         cli_main()
+        leave_process_group()  # only after a run that finished: see its docstring
 
 
 def print_configs() -> None:

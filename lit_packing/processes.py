@@ -2,7 +2,8 @@
 
     DataLoader(..., worker_init_fn=EndWithParent())       # a loader's workers die with the process that made them
     subprocess.run(command, preexec_fn=EndWithParent())   # so does a child a tool starts
-    end_with_launcher()                                   # a rank started by a launcher dies with the launcher
+    tie_to_launcher()                                     # a rank started by a launcher dies with the launcher
+    leave_process_group()                                 # a command that finished leaves its process group
     leave_to_parent({signal.SIGTERM, signal.SIGUSR1})     # what this process forks from now on ignores these
     watch_ranks(procs, describe)                          # a launched rank that dies: one line, status 1
 
@@ -145,6 +146,20 @@ def tie_to_launcher() -> None:
             die_with_parent(int(launcher))
     else:
         os.environ[LAUNCHER_PID] = str(os.getpid())
+
+
+def leave_process_group() -> None:
+    """At the end of a command that finished: destroy the process group this process joined (none: nothing).
+
+    Left to the interpreter's exit, a gloo group's worker threads can outlive it and the rank aborts after its
+    work is done ("terminate called without an active exception", status -6, an exit a launcher reports as a
+    failed run); NCCL warns that the group was not destroyed and may leave a peer waiting. Never after a failure:
+    a rank that destroys its group while another still waits in a collective can hang both.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # A rank that stopped with one of the toolkit's own errors: every rank raises it together and rank 0 prints it.

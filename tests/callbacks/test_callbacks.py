@@ -3,7 +3,6 @@
 import csv
 import itertools
 import json
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +20,7 @@ from lit_packing.cost import ModelShape, hardware_flops, model_flops, model_shap
 from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.models.loading import apply_lora
 from tests.conftest import TINY_CONFIGS
+from tests.helpers import launch
 
 BATCH_LENGTHS = [(4, 8, 5, 11), (30,), (3, 3)]
 STEP_SECONDS = 0.5
@@ -278,7 +278,7 @@ def test_two_ranks_reduce_only_at_logging_steps_and_label_the_summary(tmp_path):
     the summary, never per step; the summary counts both ranks' tokens and says so."""
     script = tmp_path / "ddp_throughput.py"
     script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent), root=str(Path(__file__).parents[2])))
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = launch.run([sys.executable, str(script)], cwd=tmp_path, timeout=300)
     out = done.stdout
     assert "REDUCES" in out, out[-2000:] + done.stderr[-4000:]
     reduces = json.loads(out.split("REDUCES", 1)[1].splitlines()[0])

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import TINY
+from tests.helpers.launch import run
 
 ROOT = Path(__file__).parents[2]
 CHOSE = re.compile(r"max_tokens: auto chose ([\d,]+) tokens per pack: predicted peak ([\d.]+) GiB")
@@ -32,7 +32,7 @@ def fit(tmp_path: Path, limit_gb: float, *extra: str) -> tuple[int, float, str]:
         f"--trainer.max_steps={1 + bool(extra)}", "--trainer.limit_val_batches=0", "--trainer.logger=false",
         "--trainer.enable_checkpointing=false", f"--trainer.default_root_dir={tmp_path}",
     ]  # fmt: skip
-    done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    done = run(args, cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     chose = CHOSE.search(done.stdout)
     assert chose, done.stdout[-3000:]

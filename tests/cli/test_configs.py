@@ -7,8 +7,10 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 import yaml
 
+from lit_packing import commands
 from lit_packing.cli import cli_main
 from lit_packing.configs import DELTAS, FOLDER, composition, config_args, config_path, names
 from lit_packing.preflight import launch_shape
@@ -221,6 +223,22 @@ def test_the_command_line_is_rewritten_in_place(monkeypatch, capsys):
     assert sys.argv[3] == str(config_path("quickstart"))
     assert "BestFitPackingSampler" in capsys.readouterr().out
     assert not [w for w in caught if "args parameter" in str(w.message)]
+
+
+def test_a_command_that_finished_leaves_its_process_group_and_one_that_failed_keeps_it(tmp_path, monkeypatch):
+    """Each rank runs the command (`main.py`, `lit-packing`); when it returns the rank's process group is destroyed
+    (left to the interpreter's exit, gloo's threads can abort a rank whose work is done). After a failure it is
+    kept: a rank that destroys its group while another still waits in a collective can hang both."""
+    monkeypatch.chdir(tmp_path)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    monkeypatch.setattr(sys, "argv", ["main.py", "fit", "--config", "quickstart", "--trainer.max_steps=many"])
+    with pytest.raises(SystemExit):
+        commands.main()
+    assert dist.is_initialized()
+    tiny = [*tiny_overrides(tmp_path), "--trainer.fast_dev_run=1"]
+    monkeypatch.setattr(sys, "argv", ["main.py", "fit", "--config", "quickstart", *tiny])
+    commands.main()
+    assert not dist.is_initialized()  # (the autouse fixture closes a group a failed test leaves)
 
 
 def test_sampler_and_backend_swap_from_the_command_line(tmp_path, monkeypatch):

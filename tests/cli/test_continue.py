@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import TINY
+from tests.helpers import launch
 
 # Three launches of main.py (a fit, validate, a resumed fit): about 30 s on 2 cores, so `slow` (run by CI).
 pytestmark = pytest.mark.slow
@@ -30,9 +30,7 @@ CHECKPOINT = "--ckpt_path=last"  # the run's newest checkpoint
 def main_py(cwd: Path, *args: str) -> str:
     """`python main.py <args>` in `cwd`, as a user runs it; its stdout and stderr, after checking it succeeded."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "main.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
-    )
+    done = launch.run([sys.executable, str(ROOT / "main.py"), *args], cwd=cwd, env=env, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     return output

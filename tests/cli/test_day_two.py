@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY
+from tests.helpers.launch import run
 
 ROOT = Path(__file__).parents[2]
 
@@ -23,10 +24,7 @@ def main_py(tmp_path: Path, *args: str, offline: bool = True, timeout: float = 3
     if offline:
         env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     env.update(WANDB_MODE="offline", PYTHONPATH=str(ROOT))
-    return subprocess.run(
-        [sys.executable, str(ROOT / "main.py"), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-        timeout=timeout,
-    )  # fmt: skip
+    return run([sys.executable, str(ROOT / "main.py"), *args], cwd=tmp_path, env=env, timeout=timeout)
 
 
 def one_line_error(done: subprocess.CompletedProcess) -> str:

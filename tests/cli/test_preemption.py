@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from lit_packing.preflight import read_checkpoint
 from tests.cli.test_resume import ROOT, chatterbot_run, env, free_port, records, weights
 from tests.conftest import TINY_CONFIGS
+from tests.helpers import launch
 
 # Loaded by the runs from their folder: records every micro-batch's rows; at a chosen moment (rank, optimizer step,
 # micro-batch of the step, where) it writes `<path>.at<rank>` and waits for `<path>.go<rank>`, so that the test
@@ -154,16 +154,14 @@ class Job:
             f"--trainer.plugins={json.dumps(plugin)}", *self.extra,
         ]  # fmt: skip
 
-    def start(self, pauses: list[dict] = ()) -> list[subprocess.Popen]:
+    def start(self, pauses: list[dict] = ()) -> list[launch.Launched]:
         port = free_port()
         self.procs = [
-            subprocess.Popen(
+            launch.start(
                 self.args(list(pauses)),
                 cwd=self.folder,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
+                merge_stderr=True,
+                new_session=True,
                 env=slurm_env(self.folder, rank, self.tasks, port, self.restarts, self.tmpdir),
             )  # fmt: skip
             for rank in range(self.tasks)
@@ -194,7 +192,7 @@ class Job:
         return self.finish()
 
     def finish(self) -> list[tuple[int, str]]:
-        return [(proc.wait(timeout=300), proc.stdout.read()) for proc in self.procs]
+        return [(proc.wait(timeout=300), proc.output()[0]) for proc in self.procs]
 
     def requeues(self) -> list[str]:
         log = self.folder / "scontrol.log"

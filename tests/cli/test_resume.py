@@ -20,6 +20,7 @@ import torch
 from lit_packing.batch import INDEX
 from lit_packing.data import Chatterbot, PackingDataModule
 from lit_packing.data.tokenize import column
+from tests.helpers import launch
 from tests.helpers.launch import run_fit
 
 ROOT = Path(__file__).parents[2]
@@ -121,10 +122,8 @@ def test_kill_9_mid_epoch_with_workers_then_resume_is_exact(tmp_path, tiny_llama
     steps_per_epoch = max(r["step"] for r in uninterrupted if r["epoch"] == 0) + 1
     kill_at = steps_per_epoch + 2 + (steps_per_epoch % 2)  # an even step (a checkpoint) inside the second epoch
 
-    victim = subprocess.Popen(
-        fit_args(tmp_path, tiny_llama_config, "killed", delay=0.4) + max_steps,
-        cwd=tmp_path, env=env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    victim = launch.start(fit_args(tmp_path, tiny_llama_config, "killed", delay=0.4) + max_steps, cwd=tmp_path,
+                          env=env(tmp_path))  # fmt: skip
     checkpoint = tmp_path / "killed" / f"step={kill_at}.ckpt"
     deadline = time.monotonic() + 400
     while not checkpoint.exists() and victim.poll() is None and time.monotonic() < deadline:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from lit_packing.data import PackingDataModule
 from lit_packing.errors import ConfigError
 from tests.cli.test_resume import chatterbot_run, env
 from tests.conftest import TINY_CONFIGS
+from tests.helpers.launch import run, start
 
 ROOT = Path(__file__).parents[2]
 MAX_STEPS = 8
@@ -84,7 +84,7 @@ def fit_args(
 
 
 def fit(tmp_path: Path, args: list[str]) -> str:
-    done = subprocess.run(args, cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=900)
+    done = run(args, cwd=tmp_path, env=env(tmp_path), timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return done.stdout
 
@@ -92,10 +92,7 @@ def fit(tmp_path: Path, args: list[str]) -> str:
 def kill_after(tmp_path: Path, args: list[str], checkpoint: Path) -> None:
     """Start the run, wait for `checkpoint` (a distributed checkpoint's folder: for its `meta.pt`, written last),
     let it train past it, then SIGKILL every process of the launch."""
-    victim = subprocess.Popen(
-        args, cwd=tmp_path, env=env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
+    victim = start(args, cwd=tmp_path, env=env(tmp_path), new_session=True)
     deadline = time.monotonic() + 600
     while not written(checkpoint) and victim.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -280,7 +277,7 @@ def test_pairs_killed_on_2_ranks_resume_on_1_on_the_trajectory(pair_reference):
 def test_a_global_batch_the_ranks_cannot_split_is_refused(tmp_path):
     (tmp_path / "recorder.py").write_text(RECORDER)
     args = fit_args(tmp_path, LLAMA, "odd", 2, "--data.packs_per_step=3")
-    done = subprocess.run(args, cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=300)
+    done = run(args, cwd=tmp_path, env=env(tmp_path), timeout=300)
     assert done.returncode == 2
     assert done.stdout.strip().splitlines()[-1] == (
         "error: data.packs_per_step: 3 packs per optimizer step cannot be split evenly over 2 ranks "

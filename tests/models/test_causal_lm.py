@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -17,7 +16,7 @@ from lit_packing.batch import attach_step
 from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.models import IsolationError, PackedCausalLM, check_isolation
 from lit_packing.models.loss import causal_lm_loss, per_example_losses, token_losses
-from tests.helpers import broken_backend, make_examples
+from tests.helpers import broken_backend, launch, make_examples
 
 LENGTHS = [9, 4, 15, 6, 6, 11, 2, 8]
 
@@ -421,7 +420,7 @@ def test_ddp_two_ranks_with_accumulation_gives_the_global_token_mean(tiny_llama_
     """2 CPU ranks (gloo) x 2 micro-batches of unequal size: the step's gradient is the global per-token mean."""
     script = tmp_path / "ddp_check.py"
     script.write_text(DDP_SCRIPT.format(config=tiny_llama_config, lengths=LENGTHS))
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = launch.run([sys.executable, str(script)], cwd=tmp_path, timeout=300)
     assert "DDP-OK" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
 
 

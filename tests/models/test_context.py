@@ -5,7 +5,6 @@ loss and gradients against one process on the same pack, with the leakage probe.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from lit_packing.models.context import (
     spread,
 )
 from lit_packing.strategies import ShardedStrategy
-from tests.helpers import make_examples
+from tests.helpers import launch, make_examples
 from tests.models.families import tiny_config
 from tests.models.test_preference import make_pairs
 
@@ -274,8 +273,7 @@ def ranks(tmp_path_factory) -> dict[str, list[float]]:
     from tests.models.test_sharding import env
 
     out = tmp_path_factory.mktemp("context") / "ranks.json"
-    done = subprocess.run([sys.executable, str(RANKS), json.dumps({"out": str(out)})], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = launch.run([sys.executable, str(RANKS), json.dumps({"out": str(out)})], cwd=ROOT, env=env(), timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text())
 

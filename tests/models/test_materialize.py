@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from lit_packing.models.materialize import (
     materialize,
     probe_values,
 )
-from tests.helpers import LORA, TINY_LLAMA
+from tests.helpers import LORA, TINY_LLAMA, launch
 from tests.models.families import tiny_config
 
 ROOT = Path(__file__).parents[2]
@@ -375,16 +374,16 @@ def env() -> dict:
             "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # fmt: skip
 
 
-def start_loads(tmp: Path, runs: dict[str, dict]) -> dict:
-    """Every load at once, each its ranks' reports: {name: [rank 0's, rank 1's, ...]}."""
+def start_loads(tmp: Path, runs: dict[str, dict], fork: bool = True) -> dict:
+    """Every load at once, each its ranks' reports: {name: [rank 0's, rank 1's, ...]}. `fork=False`: each load a new
+    interpreter (`launch.start`), as the memory bounds were measured."""
     started = {}
     for name, run in runs.items():
         args = [sys.executable, str(LOAD), json.dumps({**run, "out": str(tmp / name)})]
-        log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 (closed below)
-        started[name] = (subprocess.Popen(args, cwd=tmp, env=env(), stdout=log, stderr=subprocess.STDOUT), log)
-    for name, (process, log) in started.items():
+        log = tmp / f"{name}.log"
+        started[name] = launch.start(args, cwd=tmp, env=env(), stdout=log, merge_stderr=True, fork=fork)
+    for name, process in started.items():
         assert process.wait(timeout=900) == 0, (tmp / f"{name}.log").read_text()[-4000:]
-        log.close()
     return {
         name: [json.loads((tmp / f"{name}.rank{r}.json").read_text()) for r in range(run["devices"])]
         for name, run in runs.items()
@@ -407,7 +406,7 @@ def loads(tmp_path_factory) -> dict:
         },  # fmt: skip
         "big2_whole": {"folder": str(tmp / "big"), "devices": 2, "whole": True},
     }
-    return {**start_loads(tmp, runs), "model_bytes": big_bytes, "tmp": tmp}
+    return {**start_loads(tmp, runs, fork=False), "model_bytes": big_bytes, "tmp": tmp}
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import logging
 import math
 import pathlib
 import random
-import subprocess
 import sys
 
 import pytest
@@ -28,7 +27,7 @@ from lit_packing.models.head import head_inputs
 from lit_packing.models.preference import PairLogps, pair_logps
 from lit_packing.models.reference import CHECKPOINT_KEY, ReferenceTable
 from lit_packing.samplers import BestFitPackingSampler
-from tests.helpers import TINY_LLAMA
+from tests.helpers import TINY_LLAMA, launch
 from tests.models.test_causal_lm import assert_grads_close, run_one_step
 from tests.models.test_preference import make_pairs
 
@@ -275,7 +274,7 @@ def test_two_ddp_ranks_each_compute_their_share_of_the_same_table(tmp_path):
     script = tmp_path / "ddp_reference.py"
     script.write_text(DDP_SCRIPT.format(repo=repo, tmp=str(tmp_path / "ddp")))
     (tmp_path / "ddp").mkdir()
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    done = launch.run([sys.executable, str(script)], cwd=tmp_path, timeout=600)
     assert "DDP-OK" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
     assert float(done.stdout.split("DDP-OK")[1].split()[0]) == pytest.approx(math.log(2), abs=1e-9)
     shared = torch.load(tmp_path / "ddp" / "ddp.pt", weights_only=True)

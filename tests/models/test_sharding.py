@@ -11,7 +11,6 @@ import csv
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -42,7 +41,7 @@ from lit_packing.models.sharding import (
 )
 from lit_packing.strategies import ShardedStrategy
 from tests.conftest import TINY_CONFIGS
-from tests.helpers import LORA, TINY_LLAMA, tiny_model
+from tests.helpers import LORA, TINY_LLAMA, launch, tiny_model
 
 ROOT = Path(__file__).parents[2]
 FIT = ROOT / "tests" / "helpers" / "sharded_fit.py"
@@ -294,11 +293,9 @@ def fits(tmp_path_factory) -> dict[str, dict]:
     running = {}
     for name, run in settings.items():
         args = [sys.executable, str(FIT), json.dumps({**run, "out": str(tmp / f"{name}.pt")})]
-        log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 (closed below)
-        running[name] = (subprocess.Popen(args, cwd=tmp, env=env(), stdout=log, stderr=subprocess.STDOUT), log)
-    for name, (process, log) in running.items():
+        running[name] = launch.start(args, cwd=tmp, env=env(), stdout=tmp / f"{name}.log", merge_stderr=True)
+    for name, process in running.items():
         assert process.wait(timeout=600) == 0, (tmp / f"{name}.log").read_text()[-4000:]
-        log.close()
     return {name: torch.load(tmp / f"{name}.pt", weights_only=True) for name in settings}
 
 
@@ -406,10 +403,11 @@ def cli_fit(tmp: Path, name: str, *extra: str, devices: int = 2, base: str = "pa
 
 def run_all(tmp: Path, runs: dict[str, list[str]]) -> dict[str, str]:
     """Start every command at once; each one's output once all have ended (each must succeed)."""
-    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    started = {name: subprocess.Popen(args, cwd=tmp, env=env(), **pipes) for name, args in runs.items()}
-    out = {name: process.communicate(timeout=600)[0] for name, process in started.items()}
+    started = {name: launch.start(args, cwd=tmp, env=env(), merge_stderr=True) for name, args in runs.items()}
+    out = {}
     for name, process in started.items():
+        process.wait(timeout=600)
+        out[name] = process.output()[0]
         assert process.returncode == 0, out[name][-4000:]
     return out
 
@@ -519,9 +517,14 @@ def test_kill_9_of_a_sharded_run_then_resume_is_exact_and_exports_one_folder(tmp
 
     alone = run_fit(args("alone"), **run)
     assert alone.returncode == 0, alone.stderr[-3000:]
-    log = open(tmp_path / "killed.log", "w")  # noqa: SIM115 (the victim's output, read if it ends by itself)
-    victim = subprocess.Popen(args("killed"), start_new_session=True, **{k: run[k] for k in ("cwd", "env")},
-                              stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    victim = launch.start(
+        args("killed"),
+        cwd=tmp_path,
+        env=run["env"],
+        new_session=True,
+        stdout=tmp_path / "killed.log",
+        merge_stderr=True,
+    )  # the output, read if it ends by itself
     checkpoint = tmp_path / "killed" / "step=4.ckpt"
     deadline = time.monotonic() + 400
     past = lambda: all(any(r["step"] >= 4 for r in records(tmp_path / f"killed.jsonl.rank{rank}"))  # noqa: E731
@@ -532,7 +535,6 @@ def test_kill_9_of_a_sharded_run_then_resume_is_exact_and_exports_one_folder(tmp
     with contextlib.suppress(ProcessLookupError):
         os.killpg(victim.pid, signal.SIGKILL)  # every rank and loader worker, without warning
     victim.wait()
-    log.close()
     assert ended is None, f"the run ended by itself (status {ended}):\n" + (tmp_path / "killed.log").read_text()[-6000:]
     assert (checkpoint / "meta.pt").exists()
     resumed = run_fit(args("resumed", f"--ckpt_path={checkpoint}"), **run)
@@ -572,8 +574,9 @@ def test_a_step_that_fails_on_one_rank_stops_both_in_seconds_with_its_line(tmp_p
     other `RankError` with that line, rather than hanging in a collective the failing rank never reaches."""
     out = tmp_path / "agree.json"
     script = Path(__file__).parents[1] / "helpers" / "agree_ranks.py"
-    done = subprocess.run([sys.executable, str(script), json.dumps({"out": str(out)})], capture_output=True,
-                          text=True, timeout=600, env=env())  # fmt: skip
+    done = launch.run(
+        [sys.executable, str(script), json.dumps({"out": str(out)})], cwd=tmp_path, env=env(), timeout=600
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     cases = json.loads(out.read_text())
     failing = {"selftest": 1, "export": 0, "loading": 1}
