@@ -28,6 +28,7 @@ from lit_packing.batch import attach_step
 from lit_packing.data.collate import PackedCollator
 from lit_packing.models import PackedCausalLM
 from lit_packing.models.materialize import deferred_weights
+from lit_packing.processes import leave_process_group
 from lit_packing.strategies import ShardedStrategy
 from tests.helpers import TINY_LLAMA, make_examples
 
@@ -142,3 +143,4 @@ def main(settings: dict) -> None:
 
 if __name__ == "__main__":
     main(json.loads(sys.argv[1]))
+    leave_process_group()  # as the command line does: a gloo group left to the exit can abort the rank

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lit_packing.models import PackedCausalLM, loading
 from lit_packing.models.export import export_sharded
 from lit_packing.models.materialize import checkpoint_names, deferred_weights, host_memory_returned
+from lit_packing.processes import leave_process_group
 from lit_packing.strategies import ShardedStrategy
 
 SEED = 7  # the random init's (model_config, LoRA adapters), as a test building the same model in-process sets it
@@ -145,3 +146,4 @@ def main(settings: dict) -> None:
 
 if __name__ == "__main__":
     main(json.loads(sys.argv[1]))
+    leave_process_group()  # as the command line does: a gloo group left to the exit can abort the rank
