@@ -225,6 +225,7 @@ def test_the_command_line_is_rewritten_in_place(monkeypatch, capsys):
     assert not [w for w in caught if "args parameter" in str(w.message)]
 
 
+@pytest.mark.filterwarnings("ignore:It is recommended to use")  # sync_dist advice: this group is one rank
 def test_a_command_that_finished_leaves_its_process_group_and_one_that_failed_keeps_it(tmp_path, monkeypatch):
     """Each rank runs the command (`main.py`, `lit-packing`); when it returns the rank's process group is destroyed
     (left to the interpreter's exit, gloo's threads can abort a rank whose work is done). After a failure it is
