@@ -40,13 +40,19 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") el
 
 
 def _alive(pid: int) -> bool:
+    """Whether `pid` runs: a process that died and waits to be reaped (a zombie) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat[stat.rindex(b")") + 2 :][:1] not in (b"Z", b"X")  # the state follows the name, in brackets
 
 
 def die_with_parent(parent: int | None = None, sig: int = signal.SIGKILL) -> bool:
@@ -54,17 +60,20 @@ def die_with_parent(parent: int | None = None, sig: int = signal.SIGKILL) -> boo
 
     Args:
         parent: the pid of the process this one should die with. Armed only when it is this process's parent; if
-            it is already dead (it died before the call: the race between fork and this call), this process exits
-            now; if it is alive but not the parent (a `forkserver` started this process), nothing is armed.
+            it is already dead (it died before the call, reaped or not: the race between fork and this call), this
+            process exits now; if it is alive but not the parent (a `forkserver` started this process), nothing is
+            armed.
         sig: the signal; SIGKILL by default (a process whose parent is gone has nobody to report to).
     """
     if _LIBC is None:
         return False
-    if parent is not None and os.getppid() != parent:
-        if not _alive(parent):
-            os._exit(1)
-        return False
-    return _LIBC.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    armed = _LIBC.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0  # first: a parent dying from now on is seen
+    if parent is None or os.getppid() == parent:
+        return armed
+    if not _alive(parent):  # it died before the call (this process was handed to another parent)
+        os._exit(1)
+    _LIBC.prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0)  # another process started this one: its death means nothing here
+    return False
 
 
 @dataclass(frozen=True)

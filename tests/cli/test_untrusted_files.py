@@ -3,6 +3,7 @@ and a run killed with SIGKILL leaves no process behind (its workers, its other r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -161,11 +162,11 @@ def test_a_checkpoint_of_another_data_source_is_named(checkpoints, capsys):
 # SIGKILL: nothing of the run outlives it
 
 
-def kill_and_watch(tmp_path: Path, args: list[str], ready: Path, ranks: int = 1) -> tuple[list[int], bool]:
+def kill_and_watch(tmp_path: Path, args: list[str], ready: Path, ranks: int = 1) -> tuple[list[str], bool]:
     """Start a fit with its output on a pipe, wait until it trains (`ready` has a line), SIGKILL its first process
     only (a preemption), and give the rest 3 s to end (the kernel ends them at once; without that, a DataLoader
-    worker notices a dead parent in 5 s at best, a stream's never). Returns the pids still alive and whether the
-    pipe closed (a process still holding the run's stdout keeps a wrapper waiting)."""
+    worker notices a dead parent in 5 s at best, a stream's never). Returns a line for each process still alive and
+    whether the pipe closed (a process still holding the run's stdout keeps a wrapper waiting)."""
     victim = subprocess.Popen(args, cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     reader = threading.Thread(target=victim.stdout.read, daemon=True)
     reader.start()
@@ -176,14 +177,33 @@ def kill_and_watch(tmp_path: Path, args: list[str], ready: Path, ranks: int = 1)
     time.sleep(1.0)
     family = psutil.Process(victim.pid).children(recursive=True)
     assert len(family) >= 2 * ranks + (ranks - 1), family  # 2 workers a rank (+ the other ranks): a real test
+    killed = time.time()
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     gone, alive = psutil.wait_procs(family, timeout=3)
-    alive = [p.pid for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    described = [describe(p, victim.pid, killed) for p in alive]
     reader.join(timeout=15)
-    for pid in alive:  # leave nothing behind for the next test either
-        os.kill(pid, signal.SIGKILL)
-    return alive, not reader.is_alive()
+    for p in alive:  # leave nothing behind for the next test either
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    return described, not reader.is_alive()
+
+
+def describe(process: psutil.Process, victim: int, killed: float) -> str:
+    """A process still alive after the kill: when it started, whose child it is, its state, and how long it then
+    takes to end by itself (up to 30 s more)."""
+    try:
+        with process.oneshot():
+            what = (
+                f"pid {process.pid} ({process.name()}, started {killed - process.create_time():.1f} s before the "
+                f"kill, parent {process.ppid()}; the killed run was {victim}), state {process.status()}"
+            )
+    except psutil.NoSuchProcess:
+        return f"pid {process.pid}: ended while described"
+    began = time.monotonic()
+    _, still = psutil.wait_procs([process], timeout=30)
+    return f"{what}: {'alive 30 s later' if still else f'ended {time.monotonic() - began:.1f} s later'}"
 
 
 STREAM = [
