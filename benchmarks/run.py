@@ -186,10 +186,13 @@ def _worker_processes():
 def _run_worker(spec_file: str, result_file: str, log: str, env: dict[str, str]) -> None:
     """One run, in a process forked from the server: `env` as its environment, its output in `log`, ended with
     the server (which ends with the process that runs the benchmark)."""
+    import gc
+
     import torch
 
     from benchmarks.worker import main
 
+    gc.freeze()  # the server's imports: never traversed by this run's collections, so their pages stay shared
     die_with_parent()
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)

@@ -7,7 +7,9 @@ environment, arguments (`sys.argv`, `sys.path` from `PYTHONPATH`) and output fil
 turn (the other ranks of a multi-rank fit, its loader workers) are started by the toolkit itself, as for a user.
 
 What a fork shares with its siblings that new interpreters would not: the string-hash seed (`PYTHONHASHSEED`), and
-memory pages until either writes them (each process's resident memory is still its own).
+memory pages until either writes them (each process's resident memory is still its own). The imports' objects are
+frozen out of the cyclic garbage collector (`gc.freeze`), as they would be in a process that froze them after its
+imports: a launch's collections never walk them, which in a fork would copy every page they lie on.
 
 A launch whose environment differs from the server's in a variable read at import (`HF_HUB_OFFLINE` and the like:
 anything not in `RUN_TIME` below) or whose interpreter is another starts a new interpreter instead, and so does
@@ -42,10 +44,12 @@ RUN_TIME_PREFIXES = ("WANDB_", "PYTEST_", "LIT_PACKING_", "SLURM_", "PL_")  # PL
 PRELOAD = ("torch", "lightning.pytorch", "transformers", "datasets", "lit_packing.cli")
 
 SERVER = r"""
-import json, os, signal, sys
+import gc, json, os, signal, sys
 start_env = dict(os.environ)
 for name in sys.argv[2:]:
     __import__(name)
+gc.collect()
+gc.freeze()  # the imports' objects: never traversed by a launch's collections, so their pages stay shared
 sys.stderr.flush()
 with open(sys.argv[1], "rb") as f:  # what the imports printed (warnings): each launch prints it first, as it would
     import_output = f.read()
