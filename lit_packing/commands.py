@@ -41,11 +41,27 @@ def main() -> None:
     else:
         if command in ("-h", "--help"):
             print(__doc__.split("\n\n")[1].rstrip("\n") + "\n")
-        from lit_packing.cli import cli_main
         from lit_packing.processes import leave_process_group
 
+        cli_main = import_cli()
         cli_main()
         leave_process_group()  # only after a run that finished: see its docstring
+
+
+def import_cli():
+    """The training CLI's imports (torch, Lightning, transformers: ~500k objects, little garbage) with Python's
+    cyclic garbage collector paused, then frozen out of it: 0.7 s less of a ~4.4 s start for every command and rank,
+    and the loader workers a fit forks never walk the imports' objects (a walk writes to, so copies, their pages)."""
+    import gc
+
+    gc.disable()
+    try:
+        from lit_packing.cli import cli_main
+    finally:
+        gc.enable()
+    gc.collect()
+    gc.freeze()
+    return cli_main
 
 
 def print_configs() -> None:

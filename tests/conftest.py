@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 
 # One intra-op thread per test process (and the subprocesses it starts: CLI runs, DDP ranks), unless set: the models
@@ -63,6 +64,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # What a launcher (or Lightning's DDP in-process) leaves in the environment; a later subprocess would inherit it.
 DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
                    "LIT_PACKING_LAUNCHER_PID")  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def no_frozen_heap():
+    """The command line run in-process (`lit_packing.commands.main`) freezes every object then alive out of the
+    garbage collector, as a command's process should; the test's process gets them back after the test."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
 
 
 @pytest.fixture(autouse=True)

@@ -2,6 +2,7 @@
 (fast_dev_run, a tiny model of the same family); config names, compositions and their errors."""
 
 import json
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -240,6 +241,19 @@ def test_a_command_that_finished_leaves_its_process_group_and_one_that_failed_ke
     monkeypatch.setattr(sys, "argv", ["main.py", "fit", "--config", "quickstart", *tiny])
     commands.main()
     assert not dist.is_initialized()  # (the autouse fixture closes a group a failed test leaves)
+
+
+def test_the_command_line_imports_with_the_collector_paused_then_frozen():
+    """In a new interpreter (the imports must really run): the training CLI's imports run with the cyclic garbage
+    collector paused (its one collection is the one after them), their objects are then frozen out of it (a
+    command's collections and the loader workers it forks never walk them), and it runs again."""
+    code = (
+        "import gc; from lit_packing import commands; seen = []\n"
+        "gc.callbacks.append(lambda phase, info: seen.append(phase))\n"
+        "commands.import_cli(); print(seen, gc.isenabled(), gc.get_freeze_count() > 100_000)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.stdout.splitlines()[-1] == "['start', 'stop'] True True", done.stdout + done.stderr
 
 
 def test_sampler_and_backend_swap_from_the_command_line(tmp_path, monkeypatch):
