@@ -40,7 +40,8 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") el
 
 
 def _alive(pid: int) -> bool:
-    """Whether `pid` runs: a process that died and waits to be reaped (a zombie) does not."""
+    """Whether `pid` runs: a process that died and waits to be reaped (a zombie) does not. Read from /proc rather
+    than with psutil: this runs in a `preexec_fn` too, between fork and exec, where importing could deadlock."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
