@@ -7,7 +7,9 @@ effective tokens/s (the fit summary's) and the base's bytes as held.
     python -m benchmarks.qlora --layers 2 --steps 2 # a smoke run
     python -m benchmarks.qlora --accelerator gpu --hidden 2048 --layers 24   # bf16-mixed, the device's peak
 
-Each route runs in a fresh process, so that one's freed memory does not lower another's peak.
+Each route runs in a fresh process, so that one's freed memory does not lower another's peak. Then the QLoRA model's
+merged export (`--model.export_dir`, in the base's stored bf16) in a process of its own: its host memory before and
+at its peak (sampled every millisecond) beside its largest merged tensor and the whole merged model.
 """
 
 from __future__ import annotations
@@ -91,13 +93,49 @@ def base_bytes(folder: Path, quantization: str | None) -> int:
     return sum(stored_bytes(m) for m in leaves if isinstance(m, torch.nn.Linear))  # bitsandbytes' layers are too
 
 
+def export_peak(folder: Path, out: Path) -> dict:
+    """In this process: the QLoRA model loaded, then exported merged; resident memory before, the peak during the
+    export (a thread reading /proc/self/statm every millisecond), the largest merged tensor and the whole."""
+    import threading
+    import time
+
+    from lit_packing.models import PackedCausalLM
+    from lit_packing.models.export import stored_dtype
+    from lit_packing.models.quantize import merged_parts
+
+    def resident() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    lm = PackedCausalLM(name_or_path=str(folder), quantization="nf4", lora=LORA, memory_check=False,
+                        isolation_check=False)  # fmt: skip
+    dtype = stored_dtype(str(folder))
+    sizes = [part().numel() * dtype.itemsize for part in merged_parts(lm.model, dtype).values()]
+    before, peak, done = resident(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], resident())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    lm.export(str(out))
+    done.set()
+    thread.join()
+    return {"before": before, "peak": peak[0], "largest": max(sizes), "whole": sum(sizes), "dtype": str(dtype)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size (heads of 64)")
     parser.add_argument("--layers", type=int, default=12, help="decoder layers")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per route")
     parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu", help="gpu: bf16-mixed, device peak")
+    parser.add_argument("--export-only", metavar="FOLDER", help=argparse.SUPPRESS)  # the export's own process
     options = parser.parse_args(argv)
+    if options.export_only:
+        print("EXPORT", json.dumps(export_peak(Path(options.export_only), Path(options.export_only) / "merged")))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         work, folder = Path(tmp), Path(tmp) / "model"
         total = save_model(folder, options.hidden, options.layers)
@@ -113,6 +151,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {name} | {row['tokens_per_s']:,.0f} | {row['tokens_per_s'] / full['tokens_per_s']:.2f}x | "
                   f"{row['peak_gib']:.2f} GiB | {row['peak_gib'] / full['peak_gib']:.2f}x | "
                   f"{row['predicted_gib']:.2f} GiB | {row['predicted_gib'] / row['peak_gib']:.2f} |")  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "benchmarks.qlora", "--export-only", str(folder)], cwd=ROOT,
+                              capture_output=True, text=True, check=True)  # fmt: skip
+        e = json.loads(re.search(r"EXPORT (.*)", done.stdout)[1])
+        mb = 2**20
+        print(f"QLoRA merged export ({e['dtype']}): host memory {e['before'] / mb:,.0f} MB before, "
+              f"{e['peak'] / mb:,.0f} MB at peak (+{(e['peak'] - e['before']) / mb:,.0f} MB); its largest merged "
+              f"tensor {e['largest'] / mb:,.0f} MB, the whole merged model {e['whole'] / mb:,.0f} MB")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> Report:
     console = Console()
     left_out = [name for name, variant in VARIANTS.items() if not variant.installed]
     if left_out:
-        line = f"not installed, so not run: {', '.join(left_out)} ({INSTALL_BENCH} adds them)"
+        line = f"not installed, so not run: {', '.join(left_out)}; to add them: {INSTALL_BENCH}"
         console.print(line, soft_wrap=True, markup=False)  # markup would eat `[bench]`
     console.print(f"preparing the initial weights in {settings.out / 'init_model'}")
     runs = plan_runs(settings, initial_weights(settings))

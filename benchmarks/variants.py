@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from lit_packing.configs import config_args
-from lit_packing.errors import ConfigError
+from lit_packing.errors import ConfigError, install_hint
 
 Kind = Literal["lit_packing", "hf_trainer", "trl"]
-INSTALL_BENCH = 'pip install "lit_packing[bench]"'  # the extra that brings the TRL row's `trl`
+INSTALL_BENCH = install_hint("bench")  # the extra that brings the TRL row's `trl`
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ def export_checkpoint(
 
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    files = file_plan(model, file_bytes)
+    files = file_plan(model.named_parameters(), file_bytes)
     weight_map, total = {}, 0
     for index, names in enumerate(files, start=1):
         name = "model.safetensors" if len(files) == 1 else f"model-{index:05d}-of-{len(files):05d}.safetensors"

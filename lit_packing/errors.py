@@ -81,6 +81,20 @@ class StepMemoryError(LitPackingError, MemoryError):
     """The predicted peak memory of the largest step exceeds what the device has (printed alone by the CLI)."""
 
 
+def install_hint(extra: str) -> str:
+    """The command that adds an optional extra of pyproject.toml: lit_packing installs from a clone of its repository
+    (or a wheel built from one), not from a package index, so the hint names those two ways.
+
+    >>> print(install_hint("qlora"))  # doctest: +NORMALIZE_WHITESPACE
+    pip install -e ".[qlora]" at the root of your lit_packing clone,
+    or pip install "<wheel>[qlora]" with a wheel built from it
+    """
+    return (
+        f'pip install -e ".[{extra}]" at the root of your lit_packing clone, '
+        f'or pip install "<wheel>[{extra}]" with a wheel built from it'
+    )
+
+
 def check_range(setting: str, value: float | None, low: float | None = None, high: float | None = None,
                 *, low_open: bool = False, high_open: bool = False) -> None:  # fmt: skip
     """Raise a `ConfigError` naming `setting` unless `low <= value <= high` (`*_open`: strict); None passes.

@@ -5,14 +5,19 @@ development venv's packages (a `.pth` file pointing at a folder of links to them
 i.e. a plain install without the `bench` extra. From a folder outside the repository, with the Hub offline:
 `lit-packing fit --config quickstart` (tiny random model, 2 steps), `lit-packing report --config quickstart` and
 `lit-packing configs`. The benchmark is not in the wheel: `lit-packing bench` answers, in one line, that it runs from a
-checkout with `python -m benchmarks`.
+checkout with `python -m benchmarks`. The wheel itself ships every file the package reads at run time and declares
+the extras the install hints name (`errors.install_hint`), and the hint for a wheel, `pip install "<wheel>[extra]"`,
+resolves (a dry run, offline, for each extra whose packages the development venv holds).
 """
 
 from __future__ import annotations
 
+import email.message
+import email.parser
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -21,8 +26,12 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
+from lit_packing.errors import install_hint
 from tests.conftest import TINY
+from tests.test_install_hints import EXTRAS
 
 pytestmark = pytest.mark.slow
 
@@ -30,6 +39,8 @@ ROOT = Path(__file__).parents[1]
 DEV_SITE = Path(sysconfig.get_paths()["purelib"])
 SMALL_RUN = [f"--model.model_config={json.dumps(TINY)}", "--data.limit=64", "--data.val_split=8",
              "--data.max_length=256"]  # fmt: skip
+# In the package but not in the wheel: a launcher script that `sbatch` runs from a checkout, which no module reads.
+NOT_SHIPPED = {"lit_packing/configs/multinode.sbatch"}
 
 
 def hidden(name: str) -> bool:
@@ -48,10 +59,11 @@ def ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory) -> dict:
-    """The wheel built and installed in a fresh venv; its bin folder, a working folder and the commands' env."""
-    tmp = tmp_path_factory.mktemp("install")
-    source = tmp / "source"  # a copy: the build writes build/ and *.egg-info next to the sources
+def wheel(tmp_path_factory) -> Path:
+    """The wheel built from a copy of the checkout's package (the build writes build/ and *.egg-info next to the
+    sources), as `pip wheel` or `python -m build` builds it from a clone."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    source = tmp / "source"
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
@@ -59,14 +71,31 @@ def venv(tmp_path_factory) -> dict:
     wheels = tmp / "wheels"
     build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)]
     ok(run([*build, str(source)], dict(os.environ), tmp))
-    (wheel,) = wheels.glob("lit_packing-*.whl")
-    shipped = zipfile.ZipFile(wheel).namelist()
-    assert "lit_packing/configs/quickstart.yaml" in shipped and "lit_packing/configs/paper.yaml" in shipped
-    outside = ("tests/", "benchmarks/", "configs/", "main.py", "lit_packing/bench/")  # the benchmark: a checkout's
-    assert not [name for name in shipped if name.startswith(outside)]
-    (entry_points,) = [name for name in shipped if name.endswith(".dist-info/entry_points.txt")]
-    assert "lit-packing = lit_packing.commands:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    (built,) = wheels.glob("lit_packing-*.whl")
+    return built
 
+
+def wheel_metadata(wheel: Path) -> email.message.Message:
+    """The wheel's METADATA (its `Provides-Extra` and `Requires-Dist` lines)."""
+    with zipfile.ZipFile(wheel) as archive:
+        (name,) = [name for name in archive.namelist() if name.endswith(".dist-info/METADATA")]
+        return email.parser.Parser().parsestr(archive.read(name).decode())
+
+
+def by_extra(requirements: list[str], extra: str) -> set[tuple[str, str]]:
+    """The (name, specifier) pairs of a wheel's `Requires-Dist` lines that `extra` adds (their `extra == ...`)."""
+    parsed = map(Requirement, requirements)
+    return {
+        (canonicalize_name(r.name), str(r.specifier))
+        for r in parsed
+        if r.marker and r.marker.evaluate({"extra": extra})
+    }
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory, wheel) -> dict:
+    """The wheel installed in a fresh venv; its bin folder, a working folder and the commands' env."""
+    tmp = tmp_path_factory.mktemp("install")
     env_dir = tmp / "venv"
     ok(run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], dict(os.environ), tmp))
     python = env_dir / "bin" / "python"
@@ -87,6 +116,56 @@ def venv(tmp_path_factory) -> dict:
     work = tmp / "work"  # outside the repository: nothing of the checkout is importable or readable from here
     work.mkdir()
     return {"bin": env_dir / "bin", "site": site, "env": env, "work": work}
+
+
+def test_the_wheel_ships_what_the_package_reads(wheel):
+    """Every file of the package that is not Python (the configs, ArithmeticRollouts' groups) is in the wheel; the
+    benchmark and the checkout's own files are not; the `lit-packing` command is declared."""
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    package = ROOT / "lit_packing"
+    data = {path.relative_to(ROOT).as_posix() for path in package.rglob("*")
+            if path.is_file() and path.suffix != ".py" and "__pycache__" not in path.parts}  # fmt: skip
+    assert {"lit_packing/configs/quickstart.yaml", "lit_packing/data/rollouts/arithmetic.jsonl"} <= data
+    assert sorted(data - NOT_SHIPPED - shipped) == []
+    outside = ("tests/", "benchmarks/", "configs/", "main.py", "lit_packing/bench/")  # the benchmark: a checkout's
+    assert not [name for name in shipped if name.startswith(outside)]
+    (entry_points,) = [name for name in shipped if name.endswith(".dist-info/entry_points.txt")]
+    assert "lit-packing = lit_packing.commands:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_the_wheel_declares_every_extra_the_hints_name(wheel):
+    """`Provides-Extra` for each extra an install hint names, each adding the requirements pyproject.toml lists."""
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python >= 3.11")
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    metadata = wheel_metadata(wheel)
+    assert set(EXTRAS) <= set(metadata.get_all("Provides-Extra"))
+    requires = metadata.get_all("Requires-Dist")
+    for extra in EXTRAS:
+        listed = {(canonicalize_name(r.name), str(r.specifier)) for r in map(Requirement, declared[extra])}
+        assert by_extra(requires, extra) == listed, extra
+
+
+def test_the_hint_for_a_wheel_resolves(wheel):
+    """The hint's wheel command, `pip install "<wheel>[extra]"` with the built wheel, as a dry run resolved offline
+    against the development venv (`--no-index`): lit_packing with the extra is all it would install, every
+    requirement the extra adds already satisfied. Run for the extras the `dev` extra installs with their own
+    requirements (bench, qlora, rl); `stream`'s litdata is installed without torchvision (the Makefile) and `liger`
+    needs CUDA, so those two are checked by their metadata only (above)."""
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python >= 3.11")
+    dev = map(
+        Requirement, tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    )
+    (itself,) = [requirement for requirement in dev if canonicalize_name(requirement.name) == "lit-packing"]
+    here = sorted(itself.extras)
+    assert "qlora" in here and set(here) <= set(EXTRAS)
+    for extra in here:
+        (command,) = re.findall(r'pip install "<wheel>\[\w+\]"', install_hint(extra))
+        argv = shlex.split(command.replace("<wheel>", str(wheel)))
+        done = ok(run([sys.executable, "-m", *argv, "--dry-run", "--no-index", "-q", "--report", "-"],
+                      dict(os.environ), wheel.parent))  # fmt: skip
+        assert "does not provide the extra" not in done.stderr, done.stderr
+        report = json.loads(done.stdout)
+        assert [(i["metadata"]["name"], i["requested_extras"]) for i in report["install"]] == [("lit_packing", [extra])]
 
 
 def test_the_wheel_is_what_imports(venv):

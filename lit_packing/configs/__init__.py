@@ -28,6 +28,9 @@ DELTAS: dict[str, str] = {
     "context_parallel": "paper",
     "multinode": "gpu",
 }
+# Layers that go on top of whole configs in either order: `--config gpu --config dpo` runs as `--config dpo --config
+# gpu` (gpu.yaml's device, precision and sizes win over an objective's CPU-sized values; said in one line).
+ON_TOP: dict[str, tuple[str, ...]] = {"gpu": ("dpo", "grpo", "grpo_replay", "qlora")}
 _NAME = re.compile(r"[\w.-]+")  # a bare name; anything else (a path, an inline YAML string) is left to jsonargparse
 
 
@@ -103,6 +106,7 @@ def resolve_config_args(args: list[str] | None = None) -> list[str]:
         elif arg in ("--config", "-c") and i + 1 < len(argv):
             argv[i + 1] = _resolve(argv[i + 1])
             configs.append(i + 1)
+    _put_layers_on_top(argv, configs)
     if configs:
         first = argv[configs[0]].removeprefix("--config=")
         delta = _packaged_delta(first)
@@ -115,6 +119,30 @@ def resolve_config_args(args: list[str] | None = None) -> list[str]:
     if args is None:
         sys.argv[1:] = argv
     return argv
+
+
+def _packaged_name(value: str) -> str | None:
+    """The packaged config a resolved `--config` value is (its stem), else None."""
+    path = Path(value.removeprefix("--config="))
+    return path.stem if path.is_file() and path.resolve().parent == FOLDER.resolve() else None
+
+
+def _put_layers_on_top(argv: list[str], configs: list[int]) -> None:
+    """Move each config an `ON_TOP` layer goes on (an objective's) from after the layer to just before it, in place:
+    `--config gpu --config dpo` -> `--config dpo --config gpu`. `configs` holds the positions of the values."""
+    for layer, bases in ON_TOP.items():
+        at = next((i for i in configs if _packaged_name(argv[i]) == layer), None)
+        for i in [i for i in configs if at is not None and i > at and _packaged_name(argv[i]) in bases]:
+            name, start = _packaged_name(argv[i]), i if argv[i].startswith("--config=") else i - 1
+            pair = argv[start : i + 1]
+            del argv[start : i + 1]
+            layer_start = at if argv[at].startswith("--config=") else at - 1
+            argv[layer_start:layer_start] = pair
+            at += len(pair)
+            print(f"note: --config {name} runs before --config {layer} ({layer}.yaml's device, precision and sizes "
+                  f"go on top of {name}.yaml's)", file=sys.stderr)  # fmt: skip
+    configs[:] = [i for i, arg in enumerate(argv) if arg.startswith("--config=") or (
+        i > 0 and argv[i - 1] in ("--config", "-c"))]  # fmt: skip
 
 
 def _resolve(value: str) -> str:

@@ -17,7 +17,9 @@ the completion texts and the prompt source's other columns, as TRL calls them); 
 written by rank 0 to `<run folder>/rollouts/round_<k>.jsonl` (a stored-rollouts file: `HFDataset` of it trains the
 same groups), tokenized and planned by the configured sampler as one dataset, and trained `iterations` times (each
 pass a new plan; the stored log-probs are the behaviour policy's, so later passes clip). Then the next round samples
-from the updated policy. Every round is whole optimizer steps (the last completed with empty packs).
+from the updated policy. Every round is whole optimizer steps (the last completed with empty packs). The fit's
+`trainer.max_steps` bounds the rounds; without it (gpu.yaml's whole epoch) the fit is one pass over the prompts,
+said at start.
 
 Generation runs between optimizer steps, in the training process, with the model in eval mode and its own random
 stream (the training's is untouched), by the policy the step before the round left. The round's rollout metrics
@@ -53,7 +55,7 @@ from lit_packing.data.feed import Feed, SamplerBuilder
 from lit_packing.data.report import TokenizationReport
 from lit_packing.data.sources import Source
 from lit_packing.data.tokenize import TokenizedDataset, tokenize_dataset
-from lit_packing.errors import ConfigError, DataError, check_range
+from lit_packing.errors import ConfigError, DataError, check_range, install_hint
 from lit_packing.samplers import PlannedBatchSampler
 from lit_packing.samplers.base import Pack
 from lit_packing.samplers.base import worst_pack as worst_pack_of
@@ -79,7 +81,7 @@ def import_reward(path: str) -> Callable[..., list[float]]:
     module, extra = getattr(function, "requires", (None, None))
     if module is not None and importlib.util.find_spec(module) is None:
         raise ConfigError(f"{_SETTING}.reward_funcs", f"{path} needs the {module} package",
-                          f'pip install "lit_packing[{extra}]"')  # fmt: skip
+                          install_hint(extra))  # fmt: skip
     return function
 
 
@@ -196,20 +198,26 @@ class OnPolicyFeed(Feed):
         if trainer is None:
             raise ConfigError("data.source", "on-policy rollouts are sampled by the model a fit trains",
                               "train with Trainer.fit (main.py fit)")  # fmt: skip
+        rounds = None  # without a number of steps: one pass over the prompts, `trainer.max_epochs` 1
         if trainer.max_steps is None or trainer.max_steps < 0:
-            raise ConfigError("trainer.max_steps", "on-policy rounds go on as long as the fit does",
-                              "set the number of optimizer steps to train")  # fmt: skip
+            if trainer.max_epochs != 1:
+                raise ConfigError("trainer.max_steps", "on-policy rounds go on as long as the fit does, and "
+                                  f"trainer.max_epochs={trainer.max_epochs} is not one pass over the prompts",
+                                  "set the number of optimizer steps to train, or max_epochs: 1")  # fmt: skip
+            rounds = -(-len(self.prompts) // self.source.prompts_per_round)
+            log.warning("on-policy: trainer.max_steps is not set: one pass over the %s prompts, %s rounds of %s",
+                        f"{len(self.prompts):,}", f"{rounds:,}", self.source.prompts_per_round)  # fmt: skip
         if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
             raise ConfigError("trainer.strategy", f"on-policy rollouts are sampled by the whole policy on each rank; "
                               f"{type(trainer.strategy).__name__} shards it (sharded sampling is not built yet)",
                               "use ddp (or one device), or train on stored rollouts")  # fmt: skip
-        if self.settings.num_workers:
-            raise ConfigError("data.num_workers", "on-policy rounds are sampled in the training process",
-                              "set it to 0")  # fmt: skip
+        if self.settings.num_workers:  # e.g. gpu.yaml's 4 after grpo.yaml: said, not refused
+            log.warning("on-policy: data.num_workers=%s is not used: rounds are sampled and collated in the "
+                        "training process", self.settings.num_workers)  # fmt: skip
         if self.policy is None:
             raise ConfigError("model", "on-policy rounds are sampled by the model, and this one publishes no policy",
                               "train a lit_packing.models.PackedCausalLM")  # fmt: skip
-        self.sampler = RoundLoader(self, build, tokenizer, trainer)
+        self.sampler = RoundLoader(self, build, tokenizer, trainer, rounds)
         self._apply_position()
         return self.sampler
 
@@ -238,8 +246,10 @@ class RoundLoader:
     """The training loader of on-policy rollouts: an endless iterable of collated micro-batches, round after round,
     with the position a checkpoint keeps (`state_dict(steps_done)` / `load_state_dict`)."""
 
-    def __init__(self, feed: OnPolicyFeed, build: SamplerBuilder, tokenizer: Any, trainer: pl.Trainer) -> None:
+    def __init__(self, feed: OnPolicyFeed, build: SamplerBuilder, tokenizer: Any, trainer: pl.Trainer,
+                 rounds: int | None = None) -> None:  # fmt: skip
         self.feed, self.build, self.tokenizer, self.trainer = feed, build, tokenizer, trainer
+        self.rounds = rounds  # the fit's rounds where no `max_steps` bounds it, else None
         self.source = feed.source
         self.collate = feed.collate(tokenizer)
         self.batch_sampler = self  # where Lightning's `set_epoch` reaches this loader
@@ -255,7 +265,9 @@ class RoundLoader:
         """Rounds go on across Lightning's epochs: nothing to do."""
 
     def __len__(self) -> int:
-        raise TypeError("on-policy rounds go on as long as the fit does (trainer.max_steps)")
+        raise TypeError(
+            "on-policy rounds go on as long as the fit does (trainer.max_steps, or one pass over the prompts)"
+        )
 
     @property
     def folder(self) -> Path:
@@ -272,7 +284,7 @@ class RoundLoader:
 
     def _batches(self, number: int, start: int, inside: int, resumed: bool) -> Iterator[dict[str, Any]]:
         accumulate = self.trainer.accumulate_grad_batches
-        while start // accumulate < self.trainer.max_steps:  # no round is sampled that no step would train
+        while self._more(number, start // accumulate):  # no round is sampled that no step would train
             first: dict[str, Any] | None = None
             if resumed:
                 rows = self._read(number)
@@ -313,6 +325,12 @@ class RoundLoader:
                 inside = max(inside - total, 0)
                 start += total
             number += 1
+
+    def _more(self, number: int, steps: int) -> bool:
+        """Whether round `number` trains, `steps` optimizer steps into the fit."""
+        if self.rounds is not None:
+            return number < self.rounds
+        return steps < self.trainer.max_steps
 
     def _collate(self, dataset: TokenizedDataset, pack: Pack, number: int, stats: dict, fresh: bool) -> dict[str, Any]:
         batch = self.collate(Pack([dataset[key] for key in pack], step=pack.step))

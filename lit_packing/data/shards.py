@@ -43,7 +43,7 @@ from lit_packing.data.shapes import (
     example_problem,
     example_shape,
 )
-from lit_packing.errors import AssetError, DataError
+from lit_packing.errors import AssetError, DataError, install_hint
 
 _READ_ROWS = 1024  # rows turned into Python objects at a time: what bounds a reader's memory
 
@@ -394,7 +394,7 @@ def import_litdata():
     except ImportError:
         raise AssetError(
             "litdata", "the package is not installed (the LitData source reads with it)",
-            'run `pip install "lit_packing[stream]"`',
+            f"run {install_hint('stream')}",
         ) from None  # fmt: skip
     return litdata
 

@@ -372,7 +372,8 @@ class LitData(Source):
 
     In YAML: `source: {class_path: LitData, init_args: {input_dir: s3://bucket/chats}}`. Streamed (`data.streaming`),
     each optimized chunk is a shard, fetched as it is read; otherwise `load` reads every item into the datasets cache
-    first. Needs `pip install "lit_packing[stream]"` (and, for an object store, credentials as litdata takes them).
+    first. Needs the `stream` extra, `pip install -e ".[stream]"` in your clone (and, for an object store,
+    credentials as litdata takes them).
 
     Args:
         input_dir: the `output_dir` that `litdata.optimize` wrote: a local folder, or `s3://...`.

@@ -23,10 +23,11 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import Callback, LightningModule
 
-from lit_packing._compat import accumulates, attached_trainer, compiled_graphs
+from lit_packing._compat import attached_trainer, compiled_graphs
 from lit_packing.batch import ROWS, StepShape, is_packed, model_inputs
 from lit_packing.contract import DataContract, DataModelConnection, ModelContract, Policy
 from lit_packing.cost import model_shape
+from lit_packing.models.auto_size import largest_fitting
 from lit_packing.models.backends import AttnBackend, VarlenImpl, activation_dtype
 from lit_packing.models.context import ContextGroup, check_dealable, context_group, deal
 from lit_packing.models.export import export_lm
@@ -51,7 +52,7 @@ from lit_packing.models.loss import (
     step_normalizer,
 )
 from lit_packing.models.materialize import deferring, is_meta
-from lit_packing.models.memory import MemoryEstimate, check_fit_memory, largest_fitting
+from lit_packing.models.memory import MemoryEstimate, check_fit_memory
 from lit_packing.models.mixers import MixerChoice
 from lit_packing.models.numerics import finite_step
 from lit_packing.models.objectives import Objective, make_objective
@@ -89,7 +90,7 @@ class PackedCausalLM(LightningModule):
         isolation_check: run the packed-vs-per-example self-test on the first packed training batch.
         loss_impl: `chunked` (default): LM head + cross-entropy on `loss_chunk_size` label tokens at a time, never
             the (T, V) logits, exact; `full`: the model's full logits (the plain transformers way); `liger`:
-            Liger-Kernel's fused linear cross-entropy (CUDA, `pip install lit_packing[liger]`, token loss only).
+            Liger-Kernel's fused linear cross-entropy (CUDA, the `liger` extra, token loss only).
         loss_chunk_size: label tokens per chunk of `chunked` (memory: ~16 bytes x chunk x vocabulary).
         memory_check: before the first step, predict the largest step's peak memory (logged as
             `train/predicted_peak_memory_gb`) and stop when it exceeds the limit (see `memory.py`).
@@ -115,7 +116,8 @@ class PackedCausalLM(LightningModule):
         lora: `peft.LoraConfig` kwargs (e.g. `{r: 16, lora_alpha: 32, target_modules: all-linear}`): train adapters.
         quantization: QLoRA: the pretrained base's linear layers quantized as they load (`nf4`, `fp4`: 4 bits a
             weight; `int8`), adapters (`lora`, required) trained on top (`quantize.py`; needs bitsandbytes).
-        quantization_dtype: the dtype a 4-bit layer computes in (its weights dequantized to it for each matmul).
+        quantization_dtype: the dtype a 4-bit layer computes in (its weights dequantized to it for each matmul);
+            `auto`: the trainer's precision's (bf16 under bf16-mixed; the CLI resolves it), else float32.
         double_quantization: quantize the 4-bit layers' scales too (~0.4 bits a weight fewer).
         resize_embeddings: let a tokenizer larger than a pretrained model's vocabulary grow the embeddings.
         export_dir: at the end of `fit`, `save_pretrained` the model and tokenizer here; a LoRA (or QLoRA) model
@@ -164,7 +166,7 @@ class PackedCausalLM(LightningModule):
         optimizer: Literal["adamw", "adamw8bit"] = "adamw",
         lora: dict | None = None,
         quantization: QuantizationKind | None = None,
-        quantization_dtype: DType = "float32",
+        quantization_dtype: DType | Literal["auto"] = "auto",
         double_quantization: bool = True,
         resize_embeddings: bool = False,
         export_dir: str | None = None,
@@ -341,7 +343,7 @@ class PackedCausalLM(LightningModule):
         self, step_of: Callable[[int], StepShape], candidates: Sequence[int], what: str = "max_tokens",
         unit: str | None = None,
     ) -> tuple[int | None, MemoryEstimate]:  # fmt: skip
-        """The largest step size that fits (`memory.largest_fitting`): what `max_tokens: auto` / `batch_size: auto`
+        """The largest step size that fits (`auto_size.largest_fitting`): what `max_tokens: auto` / `batch_size: auto`
         ask the model through `contract.largest_fitting`."""
         return largest_fitting(self, step_of, candidates, what, unit)
 
@@ -370,7 +372,7 @@ class PackedCausalLM(LightningModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_rows.extend(batch.get(ROWS, ()))
-        sync_gradients(self.model, last=not accumulates(self.trainer))  # FSDP2: reduce-scatter on the last only
+        sync_gradients(self.model, self.trainer)  # FSDP2: reduce-scatter each micro-batch, or the step's last only
         # Every rank runs it on its first packed batch, an empty pack included: the same number of forwards on
         # every rank (see `sample_packed`), so a sharded model's collectives stay matched and nothing hangs.
         if self._isolation_pending and is_packed(batch):

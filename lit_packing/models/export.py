@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from lit_packing._compat import shard_box
 from lit_packing.agree import agreed
 from lit_packing.errors import ConfigError, TrainingError
-from lit_packing.models.quantize import merged_weights
+from lit_packing.models.quantize import merged_parts
 from lit_packing.models.sharding import is_sharded
 from lit_packing.models.weights import all_finite, apply_umask, check_finite_weights
 
@@ -75,32 +75,80 @@ def export_lm(
                      "<its checkpoint> (one process)")  # fmt: skip
         export_sharded(model, path, tokenizer)
     elif writer and hasattr(model, "get_base_model") and not adapters_only:
-        export_merged(model, path, tokenizer)
+        export_merged(model, path, tokenizer, stored_dtype(pretrained))
     elif writer:
         export_model(model, path, tokenizer)
 
 
-def export_merged(model: torch.nn.Module, path: str, tokenizer=None) -> None:
+def export_merged(model: torch.nn.Module, path: str, tokenizer=None, dtype: torch.dtype | None = None,
+                  file_bytes: int = EXPORT_FILE_BYTES) -> None:  # fmt: skip
     """A LoRA (or QLoRA) model as the plain model it amounts to: each adapted weight `base + scale x B A`, a quantized
-    base dequantized first (`quantize.merged_weights`), saved by transformers with a config that names no
-    quantization, so that `from_pretrained` loads it without peft or bitsandbytes."""
+    base dequantized first (`quantize.merged_parts`), in `dtype` (the base's as stored: `stored_dtype`; None: the
+    dtype of the model's embeddings), with a config that names no quantization, so that `from_pretrained` loads it
+    without peft or bitsandbytes. Written tensor by tensor (`SafetensorsStream`): the host holds the model and one
+    merged tensor, never a merged copy beside it.
+
+    Raises:
+        TrainingError: a weight is NaN or infinite, or the merged names are not the plain model's; nothing is written.
+    """
     from transformers import AutoModelForCausalLM
 
     base = model.get_base_model()
     config = copy.deepcopy(base.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    weights = merged_weights(model)
-    config.dtype = base.get_input_embeddings().weight.dtype
+    dtype = dtype or base.get_input_embeddings().weight.dtype
+    config.dtype = dtype
     with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(config)
-    missing, unexpected = plain.load_state_dict(weights, strict=False, assign=True)
-    untied = [key for key in missing if key not in _tied_keys(plain)]
-    if untied or unexpected:
+        plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    parts = merged_parts(model, dtype)
+    shapes = {name: t for name, t in plain.state_dict(keep_vars=True).items() if name not in _tied_keys(plain)}
+    missing, unexpected = sorted(set(shapes) - set(parts)), sorted(set(parts) - set(shapes))
+    if missing or unexpected:
         raise TrainingError(f"not exporting to {path}: the merged weights are not {type(plain).__name__}'s "
-                            f"(missing {untied[:3]}, unexpected {unexpected[:3]})")  # fmt: skip
-    plain.tie_weights()
-    export_model(plain, path, tokenizer)
+                            f"(missing {missing[:3]}, unexpected {unexpected[:3]})")  # fmt: skip
+    check_finite_weights(model, path)
+    folder, files = Path(path), file_plan(((name, shapes[name]) for name in parts), file_bytes)
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("model*.safetensors"):  # a previous export's files would mix into this one
+        stale.unlink()
+    weight_map, total = {}, 0
+    for index, names in enumerate(files, start=1):
+        name = "model.safetensors" if len(files) == 1 else f"model-{index:05d}-of-{len(files):05d}.safetensors"
+        with SafetensorsStream(folder / name, {key: shapes[key] for key in names}) as out:
+            for key in names:
+                tensor = parts[key]()
+                if tensor.is_floating_point() and not all_finite(tensor):
+                    raise TrainingError(f"not exporting to {path}: the merged {key} holds NaN or inf in {dtype} "
+                                        "(adapters too large for it): train again with a lower model.lr")  # fmt: skip
+                out.write(key, tensor)
+                del tensor
+        weight_map.update(dict.fromkeys(names, name))
+        total += sum(shapes[key].numel() * shapes[key].element_size() for key in names)
+    if len(files) > 1:
+        (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                               indent=2, sort_keys=True) + "\n")  # fmt: skip
+    plain.config.save_pretrained(path)
+    if getattr(base, "generation_config", None) is not None and base.can_generate():
+        base.generation_config.save_pretrained(path)
+    finish_folder(path, tokenizer)
+
+
+def stored_dtype(name_or_path: str | None) -> torch.dtype | None:
+    """The dtype a pretrained model's config says its weights are stored in (`dtype`, or `torch_dtype` in older
+    configs); None where it says none or cannot be read (a merged export then keeps the trained dtype)."""
+    if name_or_path is None:
+        return None
+    from transformers import AutoConfig
+
+    from lit_packing.assets import resolve_pretrained
+
+    try:
+        value = getattr(AutoConfig.from_pretrained(resolve_pretrained(name_or_path, with_model=False)), "dtype", None)
+    except Exception:  # noqa: BLE001 (any failure to read it means: keep the trained dtype)
+        return None
+    value = getattr(torch, value) if isinstance(value, str) else value
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else None
 
 
 def _tied_keys(model: torch.nn.Module) -> set[str]:
@@ -126,7 +174,7 @@ def export_sharded(model: torch.nn.Module, path: str, tokenizer=None, file_bytes
                 model.save_pretrained(path, state_dict={name: t.cpu() for name, t in adapters.items()})
                 finish_folder(path, tokenizer)
         return
-    files = file_plan(model, file_bytes)
+    files = file_plan(model.named_parameters(), file_bytes)
     folder = Path(path)
     # Rank 0 writes what the others send it. Should a write fail there (a full disk, a folder it may not write), it
     # keeps receiving without writing, so no sender is left blocked in a send, and every rank raises at the end.
@@ -247,17 +295,17 @@ def pretrained_tokenizer(name_or_path: str):
         return None
 
 
-def file_plan(model: torch.nn.Module, file_bytes: int) -> list[list[str]]:
-    """The parameters' names (each shared parameter once, under its first name) in files of at most `file_bytes`
-    each, in the model's order; a tensor larger than that is a file of its own.
+def file_plan(named: Iterable[tuple[str, torch.Tensor]], file_bytes: int) -> list[list[str]]:
+    """The tensors' names (`named`: a model's `named_parameters()`, each shared parameter once, under its first
+    name) in files of at most `file_bytes` each, in their order; a tensor larger than that is a file of its own.
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 2))   # 64, 32 + 8 bytes
-    >>> file_plan(model, 80)
+    >>> file_plan(model.named_parameters(), 80)
     [['0.weight'], ['1.weight', '1.bias']]
     """
     files: list[list[str]] = [[]]
     size = 0
-    for name, param in model.named_parameters():
+    for name, param in named:
         nbytes = param.numel() * param.element_size()
         if files[-1] and size + nbytes > file_bytes:
             files.append([])

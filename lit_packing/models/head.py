@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 
 from lit_packing.batch import INPUT_IDS, model_inputs
-from lit_packing.errors import ConfigError
+from lit_packing.errors import ConfigError, install_hint
 from lit_packing.models.loss import HeadInputs
 from lit_packing.models.sharding import is_sharded
 
@@ -91,6 +91,6 @@ def check_liger(device: torch.device, head: torch.nn.Module) -> None:
     try:
         import liger_kernel  # noqa: F401
     except ImportError as err:
-        raise ConfigError("model.loss_impl", "liger needs liger-kernel", "pip install lit_packing[liger]") from err
+        raise ConfigError("model.loss_impl", "liger needs liger-kernel", install_hint("liger")) from err
     if type(head) is not torch.nn.Linear:
         raise ConfigError("model.loss_impl", f"liger needs a plain nn.Linear LM head, not {type(head).__name__}")

@@ -27,9 +27,7 @@ from lit_packing.models.head import check_head_inputs
 from lit_packing.models.materialize import (
     Weights,
     host_memory_returned,
-    initialize,
     local_folder,
-    lora_init_supported,
     materialize,
     probe_values,
     skeleton,
@@ -43,6 +41,7 @@ from lit_packing.models.quantize import (
     prepare,
     quantization_settings,
 )
+from lit_packing.models.random_init import initialize, lora_init_supported
 from lit_packing.models.selftest import PADDED_FIX
 from lit_packing.models.sharding import (
     data_parallel_mesh,
@@ -317,7 +316,7 @@ class Built(NamedTuple):
 def build_models(hp, deferred: bool, copy_reference: bool) -> Built:
     """The trained model from a `PackedCausalLM`'s settings `hp` (`build_model`) and, with `copy_reference`, a
     frozen copy of it. Built whole, a random init (`model_config`, LoRA adapters) is redone by
-    `materialize.initialize`, which the meta-device build (`deferred`) runs once filled: the same weights either
+    `random_init.initialize`, which the meta-device build (`deferred`) runs once filled: the same weights either
     way, on any number of ranks."""
     # Built on the host and checked for the device this machine trains on (a GPU backend on a machine without one
     # fails here); `PackedCausalLM.setup` resolves once more for the trainer's device (`Packing.to_device`).

@@ -20,12 +20,9 @@ What each step keeps exact:
   files transformers reads (`weight_files`: those the index names, so a `consolidated.safetensors` shipped beside
   the shards is neither read nor downloaded); every parameter must be in the files and every file's tensor used but
   those the model class says to ignore (missing or unexpected keys named in one line);
-- a random init (`model.model_config`, LoRA adapters) is the model's own `_init_weights`, run module by module on
-  a whole scratch copy of each module's parameters on the host with one generator seeded by the run's seed, each
-  rank cutting its slice there and copying only that to its shard (no communication; under `cpu_offload` the
-  shards are host memory and nothing is allocated on the device): the same weights on any number of ranks, on any
-  strategy, as on one process (`initialize` runs on the unsharded path too). A parameter the model's init leaves
-  untouched is refused by name rather than left as uninitialised memory.
+- a random init (`model.model_config`, LoRA adapters) is `random_init.initialize`: the model's own
+  `_init_weights` on a whole host copy of each module's parameters, each rank copying only its slice to its shard
+  (no communication): the same weights on any number of ranks, on any strategy, as on one process.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ import contextlib
 import contextvars
 import ctypes
 import json
-import math
 import re
 import tempfile
 from collections.abc import Callable, Iterator
@@ -42,18 +38,17 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from lit_packing._compat import checkpoint_renaming, shard_box
+from lit_packing._compat import checkpoint_renaming
 from lit_packing.agree import agreed
-from lit_packing.errors import AssetError, ConfigError
+from lit_packing.errors import AssetError
+from lit_packing.models.random_init import initialize, initialize_in_place
 
 _DEFERRED = contextvars.ContextVar("lit_packing_deferred_weights", default=False)
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 INDEX = "model.safetensors.index.json"  # a sharded checkpoint's map of tensor name -> file
 SINGLE = "model.safetensors"  # an unsharded checkpoint's file
-LORA_SETTING = "model.lora"
 
 
 @contextlib.contextmanager
@@ -237,7 +232,7 @@ def probe_values(model: torch.nn.Module, layers: list[str], seed: int = 0) -> It
     try:
         for module, key, param in swapped:
             module._parameters[key] = stand_in[id(param)]
-        _initialize_in_place(model, seed)
+        initialize_in_place(model, seed)
         yield
     finally:
         for module, key, param in swapped:
@@ -381,111 +376,6 @@ def _tied_aliases(model: torch.nn.Module) -> set[str]:
     return aliases
 
 
-def initialize(model: torch.nn.Module, seed: int, only: Callable[[str], bool] | None = None) -> None:
-    """A random init of `model`'s parameters (those `only` selects by name), the same on any number of ranks and
-    strategies: each module, in the order transformers initialises them, gets whole scratch copies of its own
-    parameters, initialised by the model's `_init_weights` (LoRA adapters as peft's default: A Kaiming-uniform, B
-    zeros) under one generator seeded with `seed`; each rank copies its slice of them into its shards.
-
-    Raises:
-        ConfigError: a selected parameter that the init leaves untouched (a module the model's `_init_weights` does
-            not know), on a model that was built without values (meta).
-    """
-    done: set[int] = set()
-    with _seeded_init(seed):
-        for prefix, module, owner in _init_order(model):
-            params = [(n, p) for n, p in module.named_parameters(recurse=False)
-                      if id(p) not in done and (only is None or only(prefix + n))]  # fmt: skip
-            if not params:
-                continue
-            real = dict(params)
-            for name, param in params:  # whole, on the host: this module's own parameters, one module at a time
-                scratch = torch.full(param.shape, math.nan, dtype=param.dtype) if param.is_floating_point() else (
-                    torch.zeros(param.shape, dtype=param.dtype))  # fmt: skip
-                if not param.is_meta and not isinstance(param, DTensor):
-                    scratch.copy_(param.detach())  # built with values: what the init leaves untouched stays
-                module._parameters[name] = torch.nn.Parameter(scratch, requires_grad=param.requires_grad)
-            try:
-                _init_module(prefix, module, owner)
-                values = {name: module._parameters[name].detach() for name in real}
-            finally:
-                module._parameters.update(real)
-            for name, value in values.items():
-                if value.is_floating_point() and torch.isnan(value).any():
-                    raise ConfigError(
-                        "model.model_config" if only is None else LORA_SETTING,
-                        f"{prefix + name} ({type(module).__name__}) is not initialised by "
-                        f"{type(owner).__name__}._init_weights, so it has no value on the meta-device build",
-                        "load pretrained weights (model.name_or_path), or train with trainer.strategy=ddp",
-                    )
-                _copy_slice(real[name], value)
-                done.add(id(real[name]))
-
-
-def _initialize_in_place(model: torch.nn.Module, seed: int) -> None:
-    """`initialize`'s init written straight into `model`'s own (plain, host) parameters, each module whose
-    parameters are all initialised already skipped (a layer sharing another's values): no scratch copies."""
-    done: set[int] = set()
-    with _seeded_init(seed):
-        for prefix, module, owner in _init_order(model):
-            own = [id(p) for p in module._parameters.values() if p is not None]
-            if own and not done.issuperset(own):
-                _init_module(prefix, module, owner)
-                done.update(own)
-
-
-@contextlib.contextmanager
-def _seeded_init(seed: int) -> Iterator[None]:
-    """Inside: no autograd, a generator of its own seeded with `seed` (the caller's random state untouched), and
-    transformers' guard on its init functions, as `initialize` and `_initialize_in_place` run the model's init."""
-    from transformers import initialization
-
-    with torch.no_grad(), torch.random.fork_rng(devices=[]), initialization.guard_torch_init_functions():
-        torch.manual_seed(seed)
-        yield
-
-
-def _init_order(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, PreTrainedModel]]:
-    """(qualified name prefix, module, the transformers model whose `_init_weights` it takes), children first, as
-    transformers' `initialize_weights` visits them (a sub-model dispatches its own init)."""
-    base = _base(model)
-
-    def visit(module: torch.nn.Module, prefix: str, owner: PreTrainedModel):
-        for name, child in module.named_children():
-            yield from visit(child, f"{prefix}{name}.", child if isinstance(child, PreTrainedModel) else owner)
-        yield prefix, module, owner
-
-    root = "" if base is model else _prefix_of(model, base)
-    yield from visit(base, root, base)
-
-
-def _prefix_of(model: torch.nn.Module, inner: torch.nn.Module) -> str:
-    return next(f"{name}." for name, module in model.named_modules() if module is inner)
-
-
-def _init_module(prefix: str, module: torch.nn.Module, owner: PreTrainedModel) -> None:
-    """peft's default for LoRA's A (Kaiming-uniform, a=sqrt(5)) and B (zeros) matrices; the model's own init else."""
-    if ".lora_A." in prefix:
-        torch.nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
-    elif ".lora_B." in prefix:
-        torch.nn.init.zeros_(module.weight)
-    else:
-        owner._init_weights(module)
-    if ".lora_" in prefix and getattr(module, "bias", None) is not None:
-        torch.nn.init.zeros_(module.bias)
-
-
-def _copy_slice(param: torch.Tensor, whole: torch.Tensor) -> None:
-    """Copy this rank's part of `whole` (the parameter's full value, on the host) into `param` (a DTensor's local
-    shard, or the plain tensor): the part is cut on the host by DTensor's own shard arithmetic (any nesting of
-    `Shard`, FSDP2's strided shards and `Replicate` holds a box of the whole), so only the shard reaches the device."""
-    if isinstance(param, DTensor):
-        shape, offset = shard_box(whole.shape, param.device_mesh, param.placements)
-        param.to_local().copy_(whole[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
-    else:
-        param.copy_(whole)
-
-
 def _buffers_to(model: torch.nn.Module, device: torch.device) -> None:
     """Move every buffer of `model` to `device`, one moved copy per buffer however many modules share it."""
     moved: dict[int, torch.Tensor] = {}
@@ -493,11 +383,6 @@ def _buffers_to(model: torch.nn.Module, device: torch.device) -> None:
         for key, buffer in module._buffers.items():
             if buffer is not None and buffer.device != device:
                 module._buffers[key] = moved.setdefault(id(buffer), buffer.to(device))
-
-
-def lora_init_supported(lora: dict | None) -> bool:
-    """Whether `initialize` gives LoRA's adapters the init `lora` asks for (peft's default)."""
-    return lora is None or lora.get("init_lora_weights", True) is True
 
 
 def _base(model: torch.nn.Module) -> PreTrainedModel:

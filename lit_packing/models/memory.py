@@ -1,10 +1,10 @@
-"""Predict a training step's peak memory before the first step, stop a fit that cannot fit, and choose the largest
-step that fits (`max_tokens: auto`).
+"""Predict a training step's peak memory before the first step and stop a fit that cannot fit; `auto_size` chooses
+the largest step that fits (`max_tokens: auto`) from these estimates.
 
     estimate = estimate_step_memory(lm, data.largest_step(), "32-true")   # PackedCausalLM does this at train start
     estimate.check()                                                      # MemoryError naming the knobs
     memory = memory_model(lm, "32-true", padded=False)                    # the probes, once
-    choice = choose_largest_fitting(memory, step_of, range(1024, 65537, 1024), margin=0.25)   # arithmetic only
+    memory.estimate(step).peak                                            # arithmetic only: auto_size's search
 
 The prediction adds, to what the process already holds (CPU: resident memory; CUDA: allocated memory, the weights
 included), AdamW's two states and the half-precision weight copies autocast makes under mixed precision, then the
@@ -29,29 +29,28 @@ choosing among many step sizes costs no more than one estimate. A step fits when
 limit: what the process holds now plus what the device can still give it, or `model.memory_limit_gb` where that is
 lower. Choosing a step size keeps a fraction of the limit free (`model.memory_margin`) for what the prediction does
 not model (validation, allocator fragmentation, other processes). The probes are `models.activations`; the estimate
-built from them and the choice among step sizes that reads only that estimate are here.
+built from them is here; the choice among step sizes, which reads only that estimate, is `models.auto_size`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lit_packing._compat import attached_trainer
 from lit_packing.batch import StepShape
 from lit_packing.errors import StepMemoryError
 from lit_packing.models.activations import activation_model
 from lit_packing.models.quantize import adamw_8bit_state_bytes, is_quantized
-from lit_packing.models.sharding import gathered_parameter_bytes, local_tensor
+from lit_packing.models.sharding import gathered_numel, gathered_parameter_bytes, gradient_accumulation, local_tensor
 
 log = logging.getLogger(__name__)
 # What the value of a sampler setting sized by `largest_fitting` (`auto`) counts, as its log line says it.
-AUTO_UNITS = {"max_tokens": "tokens per pack", "batch_size": "examples per batch"}
 
 GiB = 2**30
 # Bytes per logit while the loss runs: the head's output, the fp32 upcast (or the bf16 gradient under autocast),
@@ -88,10 +87,12 @@ class MemoryEstimate:
     gathered: int = 0
     context: int = 1
     heap: int = 0
+    accumulated: int = 0
 
     @property
     def peak(self) -> int:
-        backward_start = self.activations + self.logits + self.head_gradient + self.heap
+        # A later micro-batch's backward runs beside the gradients the earlier ones accumulated.
+        backward_start = self.activations + self.logits + self.head_gradient + self.heap + self.accumulated
         optimizer_step = 2 * self.gradients
         fixed = self.resident + self.optimizer + self.autocast_weights + self.gathered
         return fixed + max(backward_start, optimizer_step)
@@ -108,8 +109,17 @@ class MemoryEstimate:
     def summary(self) -> str:
         parts = ", ".join(
             f"{name} {getattr(self, name) / GiB:.2f}"
-            for name in ("resident", "optimizer", "autocast_weights", "activations", "logits", "gradients", "heap")
-            if name != "heap" or self.heap  # the CPU allocator's share of what the step frees
+            for name in (
+                "resident",
+                "optimizer",
+                "autocast_weights",
+                "activations",
+                "logits",
+                "gradients",
+                "heap",
+                "accumulated",
+            )
+            if name not in ("heap", "accumulated") or getattr(self, name)  # the allocator's share; accumulation's
         )
         cap = f"; model.memory_limit_gb limits the whole process to {self.limit / GiB:.2f} GiB" if self.capped else ""
         if self.context > 1:
@@ -176,6 +186,8 @@ class MemoryModel:
         vocab_size: logits per token.
         shards: the ranks FSDP2 splits parameters, gradients and optimizer state over (1: none).
         gathered: what a sharded rank holds whole at once beyond its shards (`sharding.gathered_parameter_bytes`).
+        accumulated: the gradients held between a step's micro-batches (0 without accumulation): a rank's shard of
+            them, or, sharded with `gradient_accumulation: unsharded`, every trainable parameter's whole gradient.
         context: the context-parallel ranks a pack is split over: a rank's activations are its share's.
         key_value_bytes: bytes per token of one layer's keys and values, which a context-parallel rank gathers.
         heap_retention: the share of a step's transient bytes the allocator keeps beyond the live tensors
@@ -200,6 +212,7 @@ class MemoryModel:
     vocab_size: int
     shards: int = 1
     gathered: int = 0
+    accumulated: int = 0
     context: int = 1
     key_value_bytes: int = 0
     heap_retention: float = 0.0
@@ -241,56 +254,10 @@ class MemoryModel:
             limit=self.limit,
             shards=self.shards,
             gathered=self.gathered,
+            accumulated=self.accumulated,
             context=self.context,
             heap=max(0, int(self.heap_retention * (activations + logits)) - 2 * self.gradients),
         )
-
-
-@dataclass(frozen=True)
-class FitChoice:
-    """The largest candidate step size that fits with a margin (`choose_largest_fitting`).
-
-    Attributes:
-        value: the chosen candidate, or None when not even the smallest fits.
-        candidate: the candidate `estimate` is of: the chosen one, or the smallest when none fits.
-        estimate: its predicted peak.
-        following: the next larger candidate and its estimate (the first that does not fit), None after the last
-            candidate or when none fits.
-        margin: the fraction of the limit kept free.
-    """
-
-    value: int | None
-    candidate: int
-    estimate: MemoryEstimate
-    following: tuple[int, MemoryEstimate] | None
-    margin: float
-
-    @property
-    def budget(self) -> float:
-        """The largest predicted peak a chosen step may have: the limit x (1 - margin)."""
-        return self.estimate.limit * (1 - self.margin)
-
-    def describe(self, what: str, unit: str = "") -> str:
-        """One line: the choice, its predicted peak against the limit and margin, and the next candidate's peak.
-
-        Args:
-            what: the setting chosen, e.g. `max_tokens`.
-            unit: what its value counts, e.g. `tokens per pack`.
-        """
-        amount = f"{self.candidate:,} {unit}".rstrip()
-        limit = f"a {self.estimate.limit / GiB:.2f} GiB limit with a {self.margin:.0%} margin"
-        peak = f"{self.estimate.peak / GiB:.2f} GiB"
-        if self.value is None:
-            return (
-                f"{what}: auto found no value that fits: the smallest candidate, {amount}, is predicted to peak at "
-                f"{peak}, over {self.budget / GiB:.2f} GiB ({limit})"
-            )
-        if self.following is None:
-            after = "the largest candidate"
-        else:
-            value, estimate = self.following
-            after = f"next candidate {value:,}: {estimate.peak / GiB:.2f} GiB"
-        return f"{what}: auto chose {amount}: predicted peak {peak} of {limit} ({after})"
 
 
 def available_bytes(device: torch.device) -> int:
@@ -367,64 +334,29 @@ def memory_model(lm: Any, precision: str, padded: bool) -> MemoryModel:
         vocab_size=config.vocab_size,
         shards=shards,
         gathered=gathered_parameter_bytes(lm.model, "mixed" in str(precision)) if shards > 1 else 0,
+        accumulated=accumulated_bytes(lm, trainable, shards),
         context=lm.context.size if getattr(lm, "context", None) is not None else 1,
         key_value_bytes=2 * kv_heads * head_dim * (2 if mixed else next(hf.parameters()).element_size()),
         heap_retention=CPU_HEAP_RETENTION if device.type == "cpu" else 0.0,
     )
 
 
+def accumulated_bytes(lm: Any, trainable: list[torch.Tensor], shards: int) -> int:
+    """The gradients a rank holds between its optimizer step's micro-batches (`MemoryModel.accumulated`): none with
+    one micro-batch a step; this rank's shard of them; sharded with `gradient_accumulation: unsharded`, every
+    trainable parameter's whole gradient (FSDP2 reduce-scatters them at the step's last micro-batch only)."""
+    trainer = attached_trainer(lm)
+    if trainer is None or trainer.accumulate_grad_batches <= 1:
+        return 0
+    if shards > 1 and gradient_accumulation(trainer.strategy) == "unsharded":
+        whole = [p for p in lm.parameters() if p.requires_grad]
+        return sum(gathered_numel(p) * p.element_size() for p in whole)
+    return sum(p.numel() * p.element_size() for p in trainable)
+
+
 def estimate_step_memory(lm: Any, step: StepShape, precision: str) -> MemoryEstimate:
     """Predict the peak memory of `lm` training on `step` (see the module docstring)."""
     return memory_model(lm, precision, step.padded).estimate(step)
-
-
-def increasing(candidates: Sequence[int]) -> list[int]:
-    """`candidates` as a list of ints, checked non-empty and strictly increasing (what a binary search needs)."""
-    values = [int(c) for c in candidates]
-    if not values or any(b <= a for a, b in zip(values, values[1:])):
-        raise ValueError(f"candidates must be a non-empty increasing sequence, got {values[:8]}")
-    return values
-
-
-def choose_largest_fitting(
-    memory: MemoryModel,
-    step_of: Callable[[int], StepShape],
-    candidates: Sequence[int],
-    margin: float,
-    agree: Callable[[int], int] | None = None,
-) -> FitChoice:
-    """The largest of `candidates` whose step's predicted peak is at most the limit x (1 - `margin`).
-
-    The predicted peak grows with the step, so a binary search finds it in ~log2(len(candidates)) estimates, each
-    arithmetic (`MemoryModel.estimate`).
-
-    Args:
-        memory: the model's `memory_model`, probed in the steps' layout.
-        step_of: a candidate -> the worst-case `StepShape` of a step that size.
-        candidates: increasing step sizes (token budgets, batch sizes).
-        margin: the fraction of the limit kept free, for what the estimate does not model.
-        agree: this process's choice (an index into `candidates`, -1 for none) -> the one to take; with several
-            ranks, the smallest over ranks, so that every rank builds the same plan.
-
-    Returns:
-        The choice: its `value` (None when none fits), estimate and the next candidate's.
-    """
-    candidates = increasing(candidates)
-    budget = memory.limit * (1 - margin)
-    low, high = 0, len(candidates)  # candidates[:low] fit, candidates[high:] do not
-    while low < high:
-        middle = (low + high) // 2
-        if memory.estimate(step_of(candidates[middle])).peak <= budget:
-            low = middle + 1
-        else:
-            high = middle
-    index = low - 1 if agree is None else agree(low - 1)
-    candidate = candidates[max(index, 0)]
-    following = None
-    if 0 <= index < len(candidates) - 1:
-        following = (candidates[index + 1], memory.estimate(step_of(candidates[index + 1])))
-    value = candidate if index >= 0 else None
-    return FitChoice(value, candidate, memory.estimate(step_of(candidate)), following, margin)
 
 
 def check_fit_memory(lm: Any, step: StepShape | None) -> MemoryEstimate | None:
@@ -444,50 +376,3 @@ def check_fit_memory(lm: Any, step: StepShape | None) -> MemoryEstimate | None:
             logger.log_metrics({"train/predicted_peak_memory_gb": estimate.peak / GiB}, step=0)
     estimate.check()
     return estimate
-
-
-def largest_fitting(
-    lm, step_of: Callable[[int], StepShape], candidates: Sequence[int], what: str = "max_tokens",
-    unit: str | None = None,
-) -> tuple[int | None, MemoryEstimate]:  # fmt: skip
-    """The largest step size whose predicted peak memory fits with `lm`'s `memory_margin` to spare: what
-    `max_tokens: auto` / `batch_size: auto` ask a `PackedCausalLM` (through `contract.largest_fitting`) when the
-    training loader is built, with the model on its device and the trainer attached.
-
-    The probes run once (3 forwards, `memory_model`); each candidate's estimate is then arithmetic. Logs one line
-    (the choice, its predicted peak, the limit and margin, the next candidate's peak) and, on global rank zero,
-    `train/auto_<what>` at step 0.
-
-    Args:
-        step_of: a candidate -> the worst-case `StepShape` of a step that size (the collator's padding rule applied
-            to the longest example).
-        candidates: increasing values to choose from.
-        what: the setting being chosen, as the log line names it: `max_tokens`, `batch_size`.
-        unit: what the value counts, as the log line says it; default `tokens per pack` for `max_tokens`,
-            `examples per batch` for `batch_size`.
-
-    Returns:
-        (value, estimate): the largest candidate whose predicted peak is at most the limit (`memory_limit_gb`, else
-        the device's memory) x (1 - `memory_margin`), None when none is; with several ranks, the smallest any rank
-        chose. The estimate is that candidate's (the smallest candidate's when none fits).
-    """
-    candidates = increasing(candidates)
-    trainer = lm.trainer
-
-    def smallest_over_ranks(index: int) -> int:
-        """Every rank must build the same plan: the smallest rank's choice (one all-gather with several ranks)."""
-        if trainer.world_size == 1:
-            return index
-        return int(trainer.strategy.all_gather(torch.tensor(index, device=lm.device)).min())
-
-    memory = memory_model(lm, str(trainer.precision), padded=step_of(candidates[0]).padded)
-    choice = choose_largest_fitting(memory, step_of, candidates, lm.hparams.memory_margin, agree=smallest_over_ranks)
-    unit = unit or AUTO_UNITS.get(what, "")
-    if choice.value is None:
-        log.warning(choice.describe(what, unit))
-        return None, choice.estimate
-    log.info(choice.describe(what, unit))
-    if trainer.is_global_zero:
-        for logger in trainer.loggers:
-            logger.log_metrics({f"train/auto_{what}": float(choice.value)}, step=0)
-    return choice.value, choice.estimate

@@ -5,7 +5,7 @@ bitsandbytes and to peft's k-bit helpers.
     quantization = Quantization("nf4")                      # model.quantization: nf4
     AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization.config())
     lm = prepare(lm, gradient_checkpointing=True)           # norms and head in full precision, input gradients on
-    weights = merged_weights(peft_model)                    # {name: base + scale x B A}, the base dequantized
+    parts = merged_parts(peft_model, torch.bfloat16)        # {name: () -> base + scale x B A}, the base dequantized
 
 The quantized layers hold their weights as stored (NF4 or FP4: 4 bits a weight plus a scale per block of 64, itself
 quantized with `double_quantization`; int8: a byte a weight and a scale per row); the embeddings, norms and the LM
@@ -15,12 +15,14 @@ the same packed kernels, the isolation self-test runs on the quantized model.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from lit_packing.errors import ConfigError
+from lit_packing.errors import ConfigError, install_hint
 
 QuantizationKind = Literal["nf4", "fp4", "int8"]
 SETTING = "model.quantization"
@@ -33,8 +35,8 @@ class Quantization:
 
     Attributes:
         kind: `nf4` or `fp4` (4 bits a weight), `int8` (LLM.int8()).
-        compute_dtype: the dtype a 4-bit layer dequantizes its weights to for its matmul (under bf16-mixed,
-            autocast then runs it in bf16 whatever this is).
+        compute_dtype: the dtype a 4-bit layer dequantizes its weights to for its matmul (`model.quantization_dtype`;
+            the command line's `auto` follows the trainer's precision: `compute_dtype`).
         double: quantize the 4-bit layers' per-block scales too (~0.4 bits a weight saved).
     """
 
@@ -54,6 +56,15 @@ class Quantization:
             bnb_4bit_compute_dtype=getattr(torch, self.compute_dtype),
             bnb_4bit_use_double_quant=self.double,
         )
+
+
+def compute_dtype(setting: str, precision: str | None) -> str:
+    """`model.quantization_dtype` resolved: `auto` follows the trainer's precision (bfloat16 under `bf16-mixed` or
+    `bf16-true`, float16 under `16-mixed`, else float32: bitsandbytes' fp32 path is its slow one on a GPU)."""
+    if setting != "auto":
+        return setting
+    precision = str(precision or "32")
+    return "bfloat16" if precision.startswith("bf16") else "float16" if precision.startswith("16") else "float32"
 
 
 def quantization_settings(
@@ -83,9 +94,10 @@ def quantization_settings(
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        raise ConfigError(SETTING, f"{kind} needs bitsandbytes, which is not installed",
-                          'pip install "lit_packing[qlora]"') from None  # fmt: skip
-    return Quantization(kind, compute_dtype, double)
+        raise ConfigError(
+            SETTING, f"{kind} needs bitsandbytes, which is not installed", install_hint("qlora")
+        ) from None
+    return Quantization(kind, compute_dtype if compute_dtype != "auto" else "float32", double)
 
 
 def check_quantized_strategy(kind: str, strategy: str) -> None:
@@ -97,7 +109,7 @@ def check_quantized_strategy(kind: str, strategy: str) -> None:
 
 
 def check_mergeable(lora: dict) -> None:
-    """Refuse adapters whose merge `merged_weights` does not compute (DoRA's magnitudes, `modules_to_save` copies):
+    """Refuse adapters whose merge `merged_parts` does not compute (DoRA's magnitudes, `modules_to_save` copies):
     their export is peft's adapter folder.
 
     Raises:
@@ -119,7 +131,7 @@ def adamw_8bit(groups: list[dict], **settings) -> torch.optim.Optimizer:
         import bitsandbytes
     except ImportError:
         raise ConfigError("model.optimizer", "adamw8bit needs bitsandbytes, which is not installed",
-                          'pip install "lit_packing[qlora]", or use adamw') from None  # fmt: skip
+                          f"use adamw, or {install_hint('qlora')}") from None  # fmt: skip
     return bitsandbytes.optim.AdamW8bit(groups, **settings)
 
 
@@ -175,38 +187,43 @@ def stored_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A LoRA model's weights as one plain model's: each adapted layer's base weight (dequantized, in the dtype of
-    the model's unquantized weights) plus its adapters' `scale x B A`; the adapters themselves dropped. The names
-    are the base model's (`model.layers.0.self_attn.q_proj.weight`)."""
+def merged_parts(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, Callable[[], torch.Tensor]]:
+    """A LoRA model's weights as one plain model's, each computed when called (one at a time: `export_merged` writes
+    each before computing the next): an adapted layer's base weight (dequantized) plus its adapters' `scale x B A`,
+    every tensor in `dtype` on the host; the adapters themselves dropped; a tensor tied to an earlier one (a tied LM
+    head) left out. The names are the base model's (`model.layers.0.self_attn.q_proj.weight`)."""
     from peft.tuners.lora import LoraLayer
     from peft.utils.integrations import dequantize_module_weight
 
-    base = model.get_base_model()
-    dtype = base.get_input_embeddings().weight.dtype
-    merged = {}
-    with torch.no_grad():
-        for name, module in base.named_modules():
-            prefix = f"{name}." if name else ""
-            if isinstance(module, LoraLayer):
-                layer = module.get_base_layer()
-                weight = dequantize_module_weight(layer).to(dtype)
-                for adapter in module.active_adapters:
-                    weight = weight + module.get_delta_weight(adapter).to(dtype)
-                merged[f"{prefix}weight"] = weight.cpu()
-                if getattr(layer, "bias", None) is not None:
-                    merged[f"{prefix}bias"] = layer.bias.detach().to("cpu", dtype)
+    @torch.no_grad()
+    def adapted(module: LoraLayer) -> torch.Tensor:
+        weight = dequantize_module_weight(module.get_base_layer()).float()  # the sum in fp32, rounded once
+        for adapter in module.active_adapters:
+            weight += module.get_delta_weight(adapter).float()
+        return weight.to("cpu", dtype)
+
+    @torch.no_grad()
+    def plain(module: torch.nn.Module, tensor: torch.Tensor) -> torch.Tensor:
+        whole = dequantize_module_weight(module) if is_quantized(tensor) else tensor  # a layer adapters left alone
+        return whole.detach().to("cpu", dtype if whole.is_floating_point() else whole.dtype)
+
+    base, parts, seen = model.get_base_model(), {}, set()
+    for name, module in base.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, LoraLayer):
+            layer = module.get_base_layer()
+            parts[f"{prefix}weight"] = functools.partial(adapted, module)
+            if getattr(layer, "bias", None) is not None:
+                parts[f"{prefix}bias"] = functools.partial(plain, layer, layer.bias)
+            continue
+        if any(isinstance(parent, LoraLayer) for parent in _parents(base, name)):
+            continue  # inside an adapted layer: its base layer and adapters, taken above
+        for key, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if key in module._non_persistent_buffers_set or id(tensor) in seen:  # noqa: SLF001
                 continue
-            if any(isinstance(parent, LoraLayer) for parent in _parents(base, name)):
-                continue  # inside an adapted layer: its base layer and adapters, taken above
-            for key, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-                if key in module._non_persistent_buffers_set:  # noqa: SLF001
-                    continue
-                quantized = is_quantized(tensor)  # a layer the adapters leave alone
-                merged[f"{prefix}{key}"] = (
-                    (dequantize_module_weight(module).to(dtype) if quantized else tensor).detach().cpu()
-                )
-    return merged
+            seen.add(id(tensor))
+            parts[f"{prefix}{key}"] = functools.partial(plain, module, tensor)
+    return parts
 
 
 def _parents(root: torch.nn.Module, name: str) -> list[torch.nn.Module]:

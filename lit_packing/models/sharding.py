@@ -3,7 +3,7 @@ after splitting attention heads and MLP columns over its tensor-parallel dim whe
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
     shard_model(model, mesh, precision="bf16-mixed")   # in place; PackedCausalLM.configure_model does this
-    sync_gradients(model, last=False)                   # a micro-batch that accumulates: no reduce-scatter
+    sync_gradients(model, trainer)                      # before a micro-batch: reduce-scatter it, or not yet
 
 Layers are the model's own `_no_split_modules` classes (what transformers names as the unit never to split), so
 each decoder layer is one all-gather in the forward and one reduce-scatter in the backward; the root group holds
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -38,7 +38,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from lit_packing._compat import flatten_mesh
+from lit_packing._compat import accumulates, flatten_mesh
 from lit_packing.errors import ConfigError
 
 DATA_PARALLEL = "data_parallel"  # Lightning's ModelParallelStrategy names its mesh dims so
@@ -227,14 +227,26 @@ def reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
-def sync_gradients(model: torch.nn.Module, last: bool) -> None:
-    """Before a micro-batch's backward: reduce-scatter its gradients only when it is the optimizer step's last
-    (`last`); the others accumulate unsharded gradients locally, as DDP's `no_sync` does. Lightning's loop does not
-    do this for FSDP2 itself. A no-op for a model `shard_model` did not wrap."""
+def sync_gradients(model: torch.nn.Module, trainer: Any) -> None:
+    """Before a micro-batch's backward: reduce-scatter its gradients into the sharded ones (`gradient_accumulation`
+    `sharded`, the default: a rank holds a shard's gradients between micro-batches, one reduce-scatter per group
+    and micro-batch), or only at the optimizer step's last micro-batch (`unsharded`: the others accumulate whole
+    gradients locally, as DDP's `no_sync` does; one reduce-scatter a step, every layer's whole gradient held in
+    between). Lightning's loop does not do this for FSDP2 itself. A no-op for a model `shard_model` did not wrap."""
     root = _base(model)
     if isinstance(root, FSDPModule):
-        root.set_requires_gradient_sync(last)
-        root.set_is_last_backward(last)
+        reduce = not accumulates(trainer) or gradient_accumulation(trainer.strategy) == "sharded"
+        root.set_requires_gradient_sync(reduce)
+        root.set_is_last_backward(reduce)
+
+
+GradientAccumulation = Literal["sharded", "unsharded"]
+
+
+def gradient_accumulation(strategy: Any) -> GradientAccumulation:
+    """How a sharded strategy accumulates gradients over a step's micro-batches (`ShardedStrategy`'s setting;
+    `sharded` for any other strategy, Lightning's `ModelParallelStrategy` included)."""
+    return getattr(strategy, "gradient_accumulation", "sharded")
 
 
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:

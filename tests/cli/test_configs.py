@@ -160,6 +160,35 @@ def test_the_scaling_deltas_keep_the_gpu_bases_packs_and_take_every_rank(capsys)
     assert sharded["trainer"]["strategy"]["init_args"]["data_parallel_size"] == "auto"
 
 
+@pytest.mark.parametrize("objective", ["dpo", "grpo", "grpo_replay", "qlora"])
+def test_gpu_goes_on_top_of_an_objective_in_either_order(objective, capsys):
+    """`--config <objective> --config gpu` and `--config gpu --config <objective>` resolve alike: gpu.yaml's device,
+    precision and sizes over the objective's data, collator, loss and learning rate (gpu.yaml's chats never under a
+    pair or group collator, its learning rate never over the objective's)."""
+    alone = resolved(["--config", objective], capsys)
+    on_top = resolved(["--config", objective, "--config", "gpu"], capsys)
+    swapped = resolved(["--config", "gpu", "--config", objective], capsys)
+    assert swapped == on_top
+    trainer = on_top["trainer"]
+    assert (trainer["accelerator"], trainer["precision"], trainer["max_steps"]) == ("gpu", "bf16-mixed", -1)
+    assert on_top["data"]["limit"] is None and on_top["data"]["sampler"]["init_args"]["max_tokens"] == 32768
+    for key in ("source", "collator", "overlong"):
+        assert on_top["data"][key] == alone["data"][key], key
+    for key in ("lr", "objective", "reference", "lora", "quantization", "scheduler"):
+        assert on_top["model"][key] == alone["model"][key], key
+
+
+def test_an_objective_after_gpu_moves_before_it_with_the_deltas_on_gpu_kept_after():
+    from lit_packing.configs import resolve_config_args
+
+    args = ["fit", "--config", "gpu", "--config=multinode", "--model.lr=1e-4", "-c", "dpo", "--trainer.devices=2"]
+    names = [Path(a.removeprefix("--config=")).stem if a.endswith(".yaml") else a for a in resolve_config_args(args)]
+    assert names == ["fit", "-c", "dpo", "--config", "gpu", "multinode", "--model.lr=1e-4",
+                     "--trainer.devices=2"]  # fmt: skip
+    untouched = ["fit", "--config", "dpo", "--config", "gpu"]
+    assert [Path(a).stem if a.endswith(".yaml") else a for a in resolve_config_args(untouched)] == untouched
+
+
 @pytest.mark.parametrize("trainer, environ, shape", [
     ({"devices": "auto"}, {"SLURM_NTASKS": "16", "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "8"},
      {"devices": 8, "num_nodes": 2}),

@@ -296,7 +296,8 @@ def test_litdata_errors_name_the_fix(tmp_path, monkeypatch):
     with pytest.raises(AssetError, match=r"input_dir: '.*' holds no index.json.*litdata.optimize"):
         LitData(str(tmp_path)).shards()
     monkeypatch.setitem(sys.modules, "litdata", None)  # as if not installed
-    with pytest.raises(
-        AssetError, match=r'^litdata: the package is not installed .*pip install "lit_packing\[stream\]"'
-    ):
+    hint = (
+        r'run pip install -e "\.\[stream\]" at the root of your lit_packing clone, or pip install "<wheel>\[stream\]"'
+    )
+    with pytest.raises(AssetError, match=r"^litdata: the package is not installed .*; " + hint):
         LitData(str(tmp_path)).shards()

@@ -241,6 +241,11 @@ class SimulatedGPU(contextlib.AbstractContextManager):
 
     def _activate(self) -> None:
         global _ACTIVE
+        # bitsandbytes picks its backend as it is imported: on a machine that reports a GPU, its CUDA library, which
+        # a CPU build of torch cannot load. Imported before the machine reports one, its CPU kernels run QLoRA's
+        # 4-bit layers on the placed (host) tensors, as the CUDA kernels would on a GPU's.
+        with contextlib.suppress(ImportError):
+            import bitsandbytes  # noqa: F401
         enter = self._stack.enter_context
         patch = self._stack.enter_context
         for name, fn in self._cuda_api().items():

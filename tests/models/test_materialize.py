@@ -27,11 +27,11 @@ from lit_packing.models.materialize import (
     check_names,
     deferred_weights,
     deferring,
-    initialize,
     is_meta,
     materialize,
     probe_values,
 )
+from lit_packing.models.random_init import initialize
 from tests.helpers import LORA, TINY_LLAMA, launch
 from tests.models.families import tiny_config
 
@@ -273,7 +273,7 @@ def test_stored_tensors_the_model_class_ignores_on_load_are_not_refused(tmp_path
 
 def test_the_file_plan_keeps_each_file_under_its_size_and_a_tied_weight_once():
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_LLAMA))
-    files = file_plan(model, 200_000)
+    files = file_plan(model.named_parameters(), 200_000)
     names = [n for f in files for n in f]
     assert names == [n for n, _ in model.named_parameters()] and "lm_head.weight" not in names
     sizes = {n: p.numel() * 4 for n, p in model.named_parameters()}

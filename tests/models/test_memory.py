@@ -21,13 +21,8 @@ from lit_packing.data.collate import PackedCollator, PaddedCollator
 from lit_packing.errors import ConfigError
 from lit_packing.models import PackedCausalLM
 from lit_packing.models.activations import activation_model, saved_activation_bytes
-from lit_packing.models.memory import (
-    CPU_HEAP_RETENTION,
-    GiB,
-    choose_largest_fitting,
-    estimate_step_memory,
-    memory_model,
-)
+from lit_packing.models.auto_size import choose_largest_fitting
+from lit_packing.models.memory import CPU_HEAP_RETENTION, GiB, estimate_step_memory, memory_model
 from lit_packing.samplers import BestFitPackingSampler, FixedLengthPackingSampler, RandomBatchSampler
 from tests.conftest import TINY_CONFIGS
 
@@ -210,12 +205,12 @@ def tiny_lm():
 
 @pytest.fixture
 def model_lines():
-    """The lines `PackedCausalLM.largest_fitting` logs (`memory.largest_fitting`; the toolkit's logger may not
+    """The lines `PackedCausalLM.largest_fitting` logs (`auto_size.largest_fitting`; the toolkit's logger may not
     propagate to pytest's)."""
     lines: list[str] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("lit_packing.models.memory")
+    logger = logging.getLogger("lit_packing.models.auto_size")
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

@@ -127,6 +127,41 @@ def test_the_merged_export_is_base_plus_scaled_adapters_and_loads_without_peft(s
     assert (tmp_path / "adapters" / "adapter_config.json").exists()
 
 
+def test_the_merged_export_is_in_the_bases_stored_dtype_file_by_file(tmp_path):
+    """A base stored in bf16: the merged export is bf16 too (each weight summed in fp32, rounded once), written
+    tensor by tensor into files of at most `file_bytes` with their index, and loads as the plain model."""
+    from peft.utils.integrations import dequantize_module_weight
+    from safetensors import safe_open
+
+    from lit_packing.models.export import export_merged, stored_dtype
+
+    folder = tmp_path / "bf16"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**SHAPE)).to(torch.bfloat16).save_pretrained(folder)
+    assert stored_dtype(str(folder)) == torch.bfloat16 and stored_dtype(str(tmp_path / "nothing")) is None
+    lm = qlora(str(folder))
+    with torch.no_grad():
+        for name, p in lm.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    export_merged(lm.model, str(tmp_path / "merged"), dtype=stored_dtype(str(folder)), file_bytes=600_000)
+    files = sorted((tmp_path / "merged").glob("model-*.safetensors"))
+    index = json.loads((tmp_path / "merged" / "model.safetensors.index.json").read_text())
+    assert len(files) > 1 and set(index["weight_map"].values()) == {f.name for f in files}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            assert {f.get_slice(key).get_dtype() for key in f.keys()} == {"BF16"}  # noqa: SIM118 (not iterable)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert plain.dtype == torch.bfloat16
+    adapted = lm.model.get_base_model().model.layers[1].self_attn.q_proj
+    scale = LORA["lora_alpha"] / LORA["r"]
+    expected = dequantize_module_weight(adapted.base_layer).float()
+    expected += scale * adapted.lora_B["default"].weight.float() @ adapted.lora_A["default"].weight.float()
+    got = plain.state_dict()["model.layers.1.self_attn.q_proj.weight"]
+    torch.testing.assert_close(got, expected.to(torch.bfloat16), rtol=0, atol=0)
+    assert plain.lm_head.weight.data_ptr() == plain.model.embed_tokens.weight.data_ptr()  # the tied head, once
+
+
 def test_adamw8bit_keeps_its_moments_in_a_byte_and_resumes_them(tiny_llama_config):
     """The full-weight route's 8-bit AdamW: a step trains every weight, the moments are bytes (and counted so by the
     memory estimate), and its state round-trips through a state dict as a checkpoint holds it."""

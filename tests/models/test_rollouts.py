@@ -60,7 +60,6 @@ def test_a_reward_function_whose_package_is_missing_is_named_with_its_extra(monk
     find_spec = importlib.util.find_spec
     missing = lambda name: None if name == "math_verify" else find_spec(name)  # noqa: E731
     monkeypatch.setattr(importlib.util, "find_spec", missing)
-    with pytest.raises(
-        ConfigError, match=r"reward_funcs: .*math_answer needs the math_verify package.*lit_packing\[rl\]"
-    ):
+    hint = r'pip install -e "\.\[rl\]" at the root of your lit_packing clone, or pip install "<wheel>\[rl\]"'
+    with pytest.raises(ConfigError, match=r"reward_funcs: .*math_answer needs the math_verify package; " + hint):
         import_reward("lit_packing.models.rollouts.math_answer")
