@@ -56,6 +56,7 @@ from lit_packing.data import PackingDataModule
 from lit_packing.errors import ConfigError, LitPackingError, TrainingError
 from lit_packing.models import PackedCausalLM
 from lit_packing.models.materialize import deferred_weights
+from lit_packing.models.quantize import compute_dtype
 from lit_packing.preflight import (
     Position,
     check_left_to_train,
@@ -63,7 +64,7 @@ from lit_packing.preflight import (
     preflight,
     read_position,
 )
-from lit_packing.processes import dead_rank, tie_to_launcher, watch_ranks
+from lit_packing.processes import PEER_LOST_STATUS, PeerLost, dead_rank, peer_lost, tie_to_launcher, watch_ranks
 from lit_packing.runs import (
     CHOSEN,
     LAST_NAME,
@@ -76,7 +77,14 @@ from lit_packing.runs import (
     newest_complete,
     run_name,
 )
-from lit_packing.strategies import LIGHTNING_MODEL_PARALLEL, ShardedStrategy
+from lit_packing.strategies import (
+    LIGHTNING_DDP,
+    LIGHTNING_MODEL_PARALLEL,
+    TIMEOUT_SETTING,
+    DDPStrategy,
+    ShardedStrategy,
+    process_group_timeout,
+)
 
 log = logging.getLogger("lit_packing")
 # W&B offline (sync later with `wandb sync runs/wandb/offline-run-*`) plus a CSV file in the run's folder (their
@@ -91,6 +99,16 @@ DEFAULT_LOGGERS = [
 # Settings set through another (`link_arguments`): an error about one is about the setting the user gave.
 LINKED = {"data.tokenizer": "model.name_or_path"}
 SHARDED = f"{ShardedStrategy.__module__}.{ShardedStrategy.__name__}"
+DDP = f"{DDPStrategy.__module__}.{DDPStrategy.__name__}"
+# Lightning's strategies as they may be named (a registry name, a class name, a class path), and the toolkit's
+# class that runs in their place (`toolkit_strategy`).
+TOOLKIT_STRATEGIES = {
+    "ddp": DDP,
+    "DDPStrategy": DDP,
+    LIGHTNING_DDP: DDP,
+    "ModelParallelStrategy": SHARDED,
+    LIGHTNING_MODEL_PARALLEL: SHARDED,
+}
 # Lightning's advertising, and messages that our own defaults make harmless (each explained where it is filtered).
 QUIET_LOG_MESSAGES = ("💡 Tip:",)
 QUIET_WARNINGS = (
@@ -237,9 +255,12 @@ class PackingCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         settings = self.config[subcommand] if subcommand else self.config
         if "trainer" in settings:
-            settings.trainer.strategy = sharded_strategy(settings.trainer.get("strategy"))
+            settings.trainer.strategy = toolkit_strategy(settings.trainer.get("strategy"))
             for key, value in launch_shape(settings.trainer, os.environ).items():
                 settings.trainer[key] = value  # the launcher's shape where the config leaves it open
+        if "model" in settings and settings.model.get("quantization_dtype") == "auto":
+            precision = settings.get("trainer", {}).get("precision")
+            settings.model.quantization_dtype = compute_dtype("auto", precision)  # bf16 under bf16-mixed
         if subcommand is None:
             return
         self.run_folder = place_run(parser, subcommand, settings)
@@ -321,12 +342,19 @@ class PackingCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         """Lightning's; when a rank this process launched died, the collective that failed here (gloo's "Connection
-        closed by peer") is left unsaid: `RankWatch` is ending the run with one line."""
+        closed by peer") is left unsaid: `RankWatch` is ending the run with one line. A collective that failed
+        because a rank another launcher started is gone (torchrun, srun) ends this rank with one line instead of a
+        traceback (`end_for_lost_peer`)."""
         try:
             super()._run_subcommand(subcommand)
         except Exception as error:
-            if not isinstance(error, LitPackingError) and dead_rank(launched_ranks(self.trainer), wait=2):
+            if isinstance(error, LitPackingError):
+                raise
+            procs = launched_ranks(self.trainer)
+            if procs and dead_rank(procs, wait=2):
                 time.sleep(10)  # RankWatch polls every 0.2 s, prints and exits
+            elif (lost := peer_lost(error)) and self.trainer.world_size > 1:
+                end_for_lost_peer(self.trainer, lost)
             raise
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
@@ -372,20 +400,63 @@ def rank_died(trainer: Trainer, died: str) -> str:
         return f"{died} at optimizer step {trainer.global_step:,}; no checkpoint was saved in this launch"
     argv = sys.argv
     kept = [arg for i, arg in enumerate(argv) if not arg.startswith("--ckpt_path") and argv[i - 1] != "--ckpt_path"]
-    own = Path(saved) in checkpoints_in(Path(trainer.default_root_dir))  # what --ckpt_path=last finds, in its folder
-    command = shlex.join(["python", *kept, "--ckpt_path=last" if own else f"--ckpt_path={saved}"])
+    command = shlex.join(["python", *kept, resume_setting(trainer, saved)])
     return f"{died} at optimizer step {trainer.global_step:,}; the last checkpoint: {saved}; resume with: {command}"
 
 
-def sharded_strategy(strategy):
-    """Lightning's `ModelParallelStrategy`, named by its class path (`configs/fsdp2.yaml`) or by its class name
-    (`--trainer.strategy=ModelParallelStrategy`, which Lightning's Trainer would refuse as a strategy name), as
-    `strategies.ShardedStrategy` with the same settings: its distributed checkpoints are written atomically.
-    Any other strategy is returned as it is."""
-    if isinstance(strategy, str) and strategy in ("ModelParallelStrategy", LIGHTNING_MODEL_PARALLEL, SHARDED):
-        return Namespace(class_path=SHARDED, init_args=Namespace())
-    if isinstance(strategy, Namespace) and strategy.get("class_path") == LIGHTNING_MODEL_PARALLEL:
-        strategy.class_path = SHARDED
+def resume_setting(trainer: Trainer, saved: str) -> str:
+    """`--ckpt_path=last` where that finds `saved` (a checkpoint in the run's folder), else its path."""
+    own = Path(saved) in checkpoints_in(Path(trainer.default_root_dir))
+    return "--ckpt_path=last" if own else f"--ckpt_path={saved}"
+
+
+def peer_left(trainer: Trainer, lost: PeerLost) -> str:
+    """One line for a rank whose collective failed because another rank is gone: which one where this rank can
+    know (of 2 ranks, the other), the backend's words (gloo's name the peer's address), the step, the newest
+    checkpoint of this launch and the setting that resumes from it."""
+    rank, world = trainer.global_rank, trainer.world_size
+    peer = f"rank {1 - rank} (its only peer)" if world == 2 else f"a peer rank (of {world})"
+    timeout = getattr(trainer.strategy, "timeout", None)  # the toolkit's strategies' (`lit_packing.strategies`)
+    waited = f" within {TIMEOUT_SETTING}={timeout.total_seconds():g} s" if timeout is not None else ""
+    what = f"did not answer{waited}" if lost.timed_out else "left the process group"
+    line = f"rank {rank}: {peer} {what} ({lost.said}) at optimizer step {trainer.global_step:,}"
+    saved = last_saved_checkpoint(trainer)
+    if saved is None:
+        return f"{line}; no checkpoint was saved in this launch"
+    return f"{line}; the last checkpoint: {saved}; resume: the same launch with {resume_setting(trainer, saved)}"
+
+
+def end_for_lost_peer(trainer: Trainer, lost: PeerLost) -> NoReturn:
+    """End this rank, whose collective failed because another rank is gone: the first rank of each node prints
+    `peer_left` as one `error:` line, every rank exits with `PEER_LOST_STATUS` (a launcher that reports statuses,
+    torchrun's summary or `RankWatch`, then tells the dead rank from those it stopped). At once, without the
+    interpreter's exit: the process group's threads may still wait on the peer (gloo aborts the process at exit)."""
+    if trainer.local_rank == 0:
+        print(f"error: {peer_left(trainer, lost)}", flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(PEER_LOST_STATUS)
+
+
+def toolkit_strategy(strategy):
+    """Lightning's `ModelParallelStrategy` and `DDPStrategy`, named by class path (`configs/fsdp2.yaml`), by class
+    name (`--trainer.strategy=ModelParallelStrategy`, which Lightning's Trainer would refuse as a strategy name) or
+    as `ddp`, as the toolkit's (`strategies.ShardedStrategy`, `strategies.DDPStrategy`) with the same settings:
+    atomic distributed checkpoints, and the toolkit's process-group timeout. Any other strategy is returned as it
+    is (`auto`: Lightning's choice, with Lightning's timeout where it launches several processes).
+
+    Raises:
+        ConfigError: a timeout that is no duration (here: raised while jsonargparse builds the strategy, it would
+            be one more of a union's errors, in a traceback).
+    """
+    if isinstance(strategy, str) and strategy in (*TOOLKIT_STRATEGIES, SHARDED, DDP):
+        return Namespace(class_path=TOOLKIT_STRATEGIES.get(strategy, strategy), init_args=Namespace())
+    if isinstance(strategy, Namespace) and strategy.get("class_path") in TOOLKIT_STRATEGIES:
+        strategy.class_path = TOOLKIT_STRATEGIES[strategy.class_path]
+    if isinstance(strategy, Namespace) and strategy.get("class_path") in (SHARDED, DDP):
+        timeout = (strategy.get("init_args") or Namespace()).get("timeout")
+        if timeout is not None:
+            process_group_timeout(timeout)
     return strategy
 
 

@@ -6,6 +6,7 @@
     leave_process_group()                                 # a command that finished leaves its process group
     leave_to_parent({signal.SIGTERM, signal.SIGUSR1})     # what this process forks from now on ignores these
     watch_ranks(procs, describe)                          # a launched rank that dies: one line, status 1
+    peer_lost(error)                                      # a collective that failed because a peer rank left
 
 A preempted job is killed with SIGKILL: no handler runs, so only the kernel can end what the process started. On
 Linux a process asks for a signal when its parent dies (`prctl(PR_SET_PDEATHSIG)`); a process whose parent died
@@ -27,6 +28,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import re
 import signal
 import sys
 import threading
@@ -174,6 +176,8 @@ def leave_process_group() -> None:
 
 # A rank that stopped with one of the toolkit's own errors: every rank raises it together and rank 0 prints it.
 TOOLKIT_ERROR_STATUS = 2
+# A rank that stopped because another left the process group (`peer_lost`): the other one is what died.
+PEER_LOST_STATUS = 3
 # From this status up, a rank that stopped for a signal on purpose (`PreemptionCheckpoint`: 128 + its number).
 SIGNAL_STATUS = 128
 
@@ -181,14 +185,15 @@ SIGNAL_STATUS = 128
 def dead_rank(procs: list, wait: float = 0.0) -> str | None:
     """Which of the ranks this process launched (`procs`: ranks 1, 2, ... as `subprocess.Popen`) died, and how:
     "rank 1 (pid 4242) was killed by SIGKILL" or "... exited with status 1"; None while none has (a rank that
-    ended cleanly, with the toolkit's own error status, or saved and stopped for a preemption signal, did not
-    die). A rank that just died may not have been reaped yet when a collective on this rank fails: `wait` gives it
-    that many seconds."""
+    ended cleanly, with the toolkit's own error status, stopped because another rank left, or saved and stopped
+    for a preemption signal, did not die). A rank that just died may not have been reaped yet when a collective on
+    this rank fails: `wait` gives it that many seconds."""
     deadline = time.monotonic() + wait
     while True:
         for rank, proc in enumerate(procs, start=1):
             code = proc.poll()
-            if code is not None and (code < 0 or code not in (0, TOOLKIT_ERROR_STATUS) and code < SIGNAL_STATUS):
+            if code is not None and (code < 0 or code not in (0, TOOLKIT_ERROR_STATUS, PEER_LOST_STATUS)
+                                     and code < SIGNAL_STATUS):  # fmt: skip
                 how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
                 return f"rank {rank} (pid {proc.pid}) {how}"
         if time.monotonic() >= deadline:
@@ -216,3 +221,55 @@ def watch_ranks(procs: list, describe: Callable[[str], str], every: float = 0.2)
     thread = threading.Thread(target=watch, name="lit-packing-rank-watch", daemon=True)
     thread.start()
     return thread
+
+
+# What the backends say when a collective fails because a peer rank is gone. gloo (a plain RuntimeError): the peer's
+# socket closed or was reset (its address given), or nothing came within the process group's timeout. NCCL and the
+# store raise `torch.distributed.DistError`s: a remote error, or the timeout (raised by the waiting thread where
+# TORCH_NCCL_BLOCKING_WAIT is set; by default NCCL's watchdog ends the process itself).
+_GLOO_PEER_LOST = re.compile(
+    r"Connection closed by peer \[[^\]]*\]:\d+"
+    r"|(?:Read|Write) error \[[^\]]*\]:\d+: (?:Connection reset by peer|Broken pipe)"
+    r"|Timed out waiting \d+ms for \w+ operation"
+)
+# A backend's (NCCL's) error that is about a peer, not about this rank's own use of the backend.
+_BACKEND_PEER_LOST = re.compile(r"ncclRemoteError|remote process|timed? ?out", re.IGNORECASE)
+_TIMED_OUT = re.compile(r"timed? ?out", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class PeerLost:
+    """A collective that failed because a peer rank is gone: the backend's own words (`said`: "Connection closed by
+    peer [10.0.0.2]:41234", which names the peer's address) and whether it came from waiting out the timeout."""
+
+    said: str
+    timed_out: bool
+
+
+def peer_lost(error: BaseException) -> PeerLost | None:
+    """Whether `error` (or what caused it) is a collective that failed because a peer rank left the process group
+    (killed, crashed, cut off) or stopped answering for the process group's timeout; None for any other error.
+
+    >>> peer_lost(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:21911. This is typically ..."))
+    PeerLost(said='Connection closed by peer [127.0.0.1]:21911', timed_out=False)
+    >>> peer_lost(RuntimeError("[pair.cc:575] Read error [10.0.0.2]:4242: Connection reset by peer")).said
+    'Read error [10.0.0.2]:4242: Connection reset by peer'
+    >>> peer_lost(RuntimeError("[unbound_buffer.cc:78] Timed out waiting 4000ms for recv operation to complete"))
+    PeerLost(said='Timed out waiting 4000ms for recv operation', timed_out=True)
+    >>> peer_lost(ConnectionResetError(104, "Connection reset by peer")) is None   # a download, not a rank
+    True
+    """
+    from torch.distributed import DistBackendError, DistError
+
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error)
+        if found := _GLOO_PEER_LOST.search(text):
+            return PeerLost(found[0], found[0].startswith("Timed out"))
+        about_a_peer = not isinstance(error, DistBackendError) or _BACKEND_PEER_LOST.search(text)  # a store, a network
+        if isinstance(error, DistError) and about_a_peer:
+            said = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+            return PeerLost(said[:300], bool(_TIMED_OUT.search(text)))
+        error = error.__cause__ or error.__context__
+    return None

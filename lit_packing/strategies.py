@@ -1,8 +1,15 @@
-"""ShardedStrategy: Lightning's `ModelParallelStrategy` (FSDP2, tensor parallel) with a context-parallel dimension,
-whose distributed checkpoints are written atomically.
+"""The toolkit's strategies: `ShardedStrategy`, Lightning's `ModelParallelStrategy` (FSDP2, tensor parallel) with a
+context-parallel dimension and distributed checkpoints written atomically, and `DDPStrategy`, Lightning's DDP. Both
+give up on a rank that stopped answering after `PROCESS_GROUP_TIMEOUT`.
 
     Trainer(strategy=ShardedStrategy(data_parallel_size=2, tensor_parallel_size=1))   # configs/fsdp2.yaml
     Trainer(strategy=ShardedStrategy(context_parallel_size=2))                        # configs/context_parallel.yaml
+    Trainer(strategy=DDPStrategy(timeout=300))                                        # configs/multinode.yaml
+
+The process group's `timeout` is how long a collective waits for a rank before it fails: a rank killed, hung or cut
+off leaves the others waiting in their next collective. Lightning passes torch's 30 minutes to every backend (NCCL's
+own default is 10); here it is 10 minutes, set in seconds (`--trainer.strategy.init_args.timeout=300`) or as
+h:m:s (`0:05:00`). Single-process runs (`strategy: auto` on one device) have no process group and are untouched.
 
 With `context_parallel_size` > 1 the device mesh has three dims, `data_parallel` x `context_parallel` x
 `tensor_parallel` (Lightning's two with one between them): the data is dealt over the data-parallel ranks only (the
@@ -14,15 +21,18 @@ Lightning writes a distributed checkpoint into its folder in place: every rank's
 shards beside the previous `meta.pt`: a folder that reads as complete and holds two steps' weights. Here every
 rank writes the whole checkpoint under a hidden name beside it (`.last.ckpt.partial`), and once all have, rank 0
 renames it over the previous one (`checkpoint_io.replace_folder`); a kill at any moment leaves the previous
-checkpoint or the new one. The CLI takes `--trainer.strategy=ModelParallelStrategy` as this class (the same
-settings); reading, loading and everything else are Lightning's.
+checkpoint or the new one. The CLI takes `--trainer.strategy=ModelParallelStrategy` as `ShardedStrategy` (the same
+settings), and `--trainer.strategy=ddp` as `DDPStrategy`; reading, loading and everything else are Lightning's.
 """
 
 from __future__ import annotations
 
+import math
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+from lightning.pytorch import strategies as lightning_strategies
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -30,8 +40,46 @@ from lit_packing._compat import model_parallel_sizes, set_model_parallel
 from lit_packing.checkpoint_io import PARTIAL_SUFFIX, hidden, is_local, remove, replace_folder
 from lit_packing.errors import ConfigError
 from lit_packing.models.context import CP_SIZE_SETTING
+from lit_packing.models.sharding import GradientAccumulation
 
 LIGHTNING_MODEL_PARALLEL = "lightning.pytorch.strategies.ModelParallelStrategy"
+LIGHTNING_DDP = "lightning.pytorch.strategies.DDPStrategy"
+
+# How long a collective waits for a rank that stopped answering before it fails, on every rank (module docstring).
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=10)
+TIMEOUT_SETTING = "trainer.strategy.init_args.timeout"
+
+
+def process_group_timeout(timeout: float | timedelta) -> timedelta:
+    """`timeout` as torch takes it: seconds (`600`), or what jsonargparse reads from `0:10:00`.
+
+    >>> process_group_timeout(90), process_group_timeout(timedelta(minutes=10))
+    (datetime.timedelta(seconds=90), datetime.timedelta(seconds=600))
+
+    Raises:
+        ConfigError: not a positive duration (naming `trainer.strategy.init_args.timeout`).
+    """
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(TIMEOUT_SETTING, f"{timeout!r} is not a positive duration",
+                          "give seconds (600) or h:m:s (0:10:00)")  # fmt: skip
+    return timedelta(seconds=seconds)
+
+
+class DDPStrategy(lightning_strategies.DDPStrategy):
+    """Lightning's `DDPStrategy` with the toolkit's process-group timeout (the module's docstring); the CLI runs
+    `--trainer.strategy=ddp` as this class. Its class name is Lightning's: the loss and quantization checks that
+    accept DDP by name accept it (nothing else differs).
+
+    Args:
+        timeout: seconds (or a `timedelta`) a collective waits for a rank before it fails; 10 minutes by default.
+            Kept as `timeout`, a `timedelta`.
+        **kwargs: Lightning's `DDPStrategy`'s.
+    """
+
+    def __init__(self, timeout: float | timedelta = PROCESS_GROUP_TIMEOUT, **kwargs: Any) -> None:
+        self.timeout = process_group_timeout(timeout)
+        super().__init__(timeout=self.timeout, **kwargs)
 
 
 MESH_DIMS = ("data_parallel", "context_parallel", "tensor_parallel")
@@ -50,13 +98,28 @@ class ShardedStrategy(ModelParallelStrategy):
             copies every step and an optimizer step on the host. On GPUs the process group then gets a gloo backend
             for host tensors beside NCCL (`cuda:nccl,cpu:gloo`): gradient clipping's norm, the finite-shards check
             and the export reduce and send shards that live on the host, which NCCL cannot.
+        timeout: seconds (or a `timedelta`) a collective waits for a rank before it fails; 10 minutes by default.
+            Kept as `timeout`, a `timedelta`.
+        gradient_accumulation: with several micro-batches a step (`accumulate_grad_batches`, `data.packs_per_step`
+            on fewer ranks), `sharded` (default) reduce-scatters each micro-batch's gradients into the shards, so a
+            rank holds a shard's gradients between micro-batches (one reduce-scatter per layer and micro-batch);
+            `unsharded` reduce-scatters at the step's last micro-batch only and holds every layer's whole gradient
+            in between (one reduce-scatter a step: less communication, the whole model's gradients in memory). The
+            memory estimate counts the one chosen.
         **kwargs: `ModelParallelStrategy`'s.
     """
 
     def __init__(self, data_parallel_size: Literal["auto"] | int = "auto",
                  tensor_parallel_size: Literal["auto"] | int = "auto", context_parallel_size: int = 1,
-                 cpu_offload: bool = False, **kwargs: Any) -> None:  # fmt: skip
-        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **kwargs)
+                 cpu_offload: bool = False, timeout: float | timedelta = PROCESS_GROUP_TIMEOUT,
+                 gradient_accumulation: GradientAccumulation = "sharded", **kwargs: Any) -> None:  # fmt: skip
+        if gradient_accumulation not in ("sharded", "unsharded"):
+            raise ConfigError("trainer.strategy.init_args.gradient_accumulation", f"{gradient_accumulation!r} is "
+                              "not a way to accumulate", "set sharded or unsharded")  # fmt: skip
+        self.gradient_accumulation = gradient_accumulation
+        self.timeout = process_group_timeout(timeout)
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
+                         timeout=self.timeout, **kwargs)  # fmt: skip
         self.cpu_offload = cpu_offload
         if not isinstance(context_parallel_size, int) or context_parallel_size < 1:
             raise ConfigError(CP_SIZE_SETTING, f"{context_parallel_size!r} is not a number of ranks",

@@ -282,10 +282,19 @@ def batch_script_checks(script: Path, command: str, capsys) -> None:
     commands = [i for i, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("#")]
     directives = [i for i, line in enumerate(lines) if line.startswith("#SBATCH")]
     assert directives and commands and max(directives) < min(commands), f"{command}: #SBATCH after a command"
-    launches = [shlex.split(lines[i], comments=True) for i in commands if lines[i].lstrip().startswith("srun ")]
+    launches = [expanded(lines[i]) for i in commands if lines[i].lstrip().startswith("srun ")]
     assert launches and all("main.py" in words for words in launches), f"{command}: no srun ... main.py line"
     for words in launches:
         launched_command_parses(words, command, capsys)
+
+
+def expanded(line: str) -> list[str]:
+    """A script's command as bash splits and expands it where the user set none of its variables (each takes its
+    default: `${RUN_CONFIG:+--config "$RUN_CONFIG"}` adds nothing)."""
+    done = subprocess.run(["bash", "-c", f'set -- {line}\nprintf "%s\\0" "$@"'], capture_output=True, text=True,
+                          timeout=30, env={})  # fmt: skip
+    assert done.returncode == 0, f"{line}: {done.stderr}"
+    return done.stdout.split("\0")[:-1]
 
 
 def pip_requirements_known(args: list[str], command: str) -> None:

@@ -104,9 +104,10 @@ def main(settings: dict) -> None:
     devices, tp = settings.get("devices", 1), settings.get("tensor_parallel", 1)
     cp = settings.get("context_parallel", 1)
     kind, data_parallel = settings.get("strategy", "auto"), devices // (tp * cp)
-    if kind == "fsdp2" and (cp > 1 or settings.get("cpu_offload")):
+    if kind == "fsdp2" and (cp > 1 or settings.get("cpu_offload") or settings.get("accumulation")):
         strategy = ShardedStrategy(data_parallel_size=data_parallel, context_parallel_size=cp, tensor_parallel_size=tp,
-                                   cpu_offload=settings.get("cpu_offload", False))  # fmt: skip
+                                   cpu_offload=settings.get("cpu_offload", False),
+                                   gradient_accumulation=settings.get("accumulation", "sharded"))  # fmt: skip
     elif kind == "fsdp2":
         strategy = ModelParallelStrategy(data_parallel_size=data_parallel, tensor_parallel_size=tp)
     else:

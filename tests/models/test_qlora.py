@@ -2,7 +2,11 @@
 same quantized weights; what cannot train refused in one line; the merged export a plain transformers model
 (`lit_packing.models.quantize`, `export.export_merged`)."""
 
+import csv
 import json
+import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ from lit_packing.models.quantize import EIGHT_BIT_MIN, check_quantized_strategy,
 from tests.helpers import make_examples
 from tests.models.test_causal_lm import LENGTHS, chunks, run_one_step
 
+ROOT = Path(__file__).parents[2]
 bitsandbytes = pytest.importorskip("bitsandbytes")  # the `qlora` extra; `make setup` installs it
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "gate_proj"]}
@@ -206,3 +211,66 @@ def test_a_qlora_fit_resumes_exactly(tmp_path, monkeypatch):
     assert straight.keys() == resumed.keys() and straight
     for name, tensor in straight.items():
         torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def fit_rows(cli_args: list[str], out: Path) -> list[dict]:
+    """A fit through the CLI with a CSV logger in `out`: its logged rows."""
+    from lit_packing.cli import cli_main
+
+    logger = {"class_path": "CSVLogger", "init_args": {"save_dir": str(out)}}
+    cli_main([*cli_args, "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={out}",
+              f"--trainer.logger={json.dumps(logger)}"])  # fmt: skip
+    (metrics,) = out.glob("**/metrics.csv")
+    with open(metrics) as f:
+        return [row for row in csv.DictReader(f) if row.get("train/loss")]
+
+
+QLORA = ["--model.quantization=nf4", f"--model.lora={json.dumps(LORA)}", "--model.reference=lora", "--model.lr=1e-2",
+         "--trainer.max_steps=2", "--trainer.val_check_interval=null", "--data.val_split=0"]  # fmt: skip
+
+
+@pytest.mark.slow  # two short fits through the CLI
+def test_qlora_trains_dpo_and_grpo_with_the_adapters_off_as_the_reference(tmp_path, monkeypatch):
+    """`model.reference: lora` on a 4-bit base: the reference is the quantized base with the adapters off, so at the
+    first step (B = 0) the policy is the reference: DPO's loss is exactly -log sigmoid(0) = log 2 and GRPO's KL to it
+    0; the second step, after an update of the adapters, moves both."""
+    from tests.cli.test_configs import saved_tiny
+
+    monkeypatch.chdir(tmp_path)
+    model = f"--model.name_or_path={saved_tiny(tmp_path)}"
+    dpo = fit_rows(["fit", "--config", "dpo", model, *QLORA, "--data.limit=24", "--data.max_length=2048",
+                    "--data.sampler.init_args.max_tokens=2048"], tmp_path / "dpo")  # fmt: skip
+    assert float(dpo[0]["train/loss"]) == pytest.approx(math.log(2), abs=1e-6)
+    assert abs(float(dpo[1]["train/loss"]) - math.log(2)) > 1e-4
+    grpo = fit_rows(["fit", "--config", "grpo_replay", model, *QLORA, "--model.objective.init_args.beta=0.04",
+                     "--data.limit=12"], tmp_path / "grpo")  # fmt: skip
+    assert float(grpo[0]["train/kl"]) == pytest.approx(0.0, abs=1e-7)
+    assert float(grpo[1]["train/kl"]) > 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # two ranks
+def test_qlora_on_2_ddp_ranks_trains_the_steps_of_one_process(tmp_path):
+    """`data.packs_per_step=2` on one process (2 accumulated) and on 2 DDP ranks over gloo (one each): the same packs
+    each step, so the same per-step losses, each rank with its own quantized base and the adapters kept in step."""
+    from tests.cli.test_configs import saved_tiny
+    from tests.cli.test_resume import env
+    from tests.helpers.launch import run_fit
+
+    model = saved_tiny(tmp_path)
+    losses = {}
+    for ranks in (1, 2):
+        out = tmp_path / f"ranks{ranks}"
+        logger = {"class_path": "CSVLogger", "init_args": {"save_dir": str(out)}}
+        args = [sys.executable, str(ROOT / "main.py"), "fit", "--config", "qlora", f"--model.name_or_path={model}",
+                "--data.limit=64", "--data.max_length=256", "--data.sampler.init_args.max_tokens=512",
+                "--data.packs_per_step=2", "--trainer.max_steps=3", "--trainer.val_check_interval=null",
+                "--data.val_split=0", f"--trainer.devices={ranks}", "--trainer.accelerator=cpu",
+                f"--trainer.strategy={'ddp' if ranks > 1 else 'auto'}", "--trainer.log_every_n_steps=1",
+                f"--trainer.default_root_dir={out}", f"--trainer.logger={json.dumps(logger)}"]  # fmt: skip
+        done = run_fit(args, cwd=tmp_path, env=env(tmp_path), timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        (metrics,) = out.glob("**/metrics.csv")
+        losses[ranks] = [float(r["train/loss"]) for r in csv.DictReader(metrics.open()) if r.get("train/loss")]
+    assert len(losses[1]) == 3
+    assert losses[2] == pytest.approx(losses[1], abs=1e-5)

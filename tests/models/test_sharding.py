@@ -283,6 +283,7 @@ def fits(tmp_path_factory) -> dict[str, dict]:
         "one": {"devices": 1},
         "ddp": {"devices": 2, "strategy": "ddp"},
         "fsdp2": {"devices": 2, "strategy": "fsdp2"},
+        "fsdp2_unsharded": {"devices": 2, "strategy": "fsdp2", "accumulation": "unsharded"},
         "tp": {"devices": 4, "strategy": "fsdp2", "tensor_parallel": 2, "whole": True},
         "one_lora": {"devices": 1, "lora": LORA},
         "fsdp2_lora": {"devices": 2, "strategy": "fsdp2", "lora": LORA, "gradient_checkpointing": True},
@@ -328,7 +329,7 @@ def test_2_by_2_data_and_tensor_parallel_trains_the_steps_of_ddp_and_of_fsdp2(fi
     scale = 2**0.5 if other == "ddp" else 1.0
     assert [n * scale for n in tp["grad_norms"]] == pytest.approx(expected["grad_norms"], rel=NORM_RTOL)
     assert max_weight_diff(tp["weights"], expected["weights"]) < WEIGHT_ATOL
-    assert tp["reduce_scatters"] == [3, 3, 3]  # over the data-parallel ranks: 2 layers + the root, once a step
+    assert tp["reduce_scatters"] == [6, 6, 6]  # over the data-parallel ranks: 2 layers + the root, each micro-batch
 
 
 @pytest.mark.slow
@@ -337,14 +338,15 @@ def test_context_parallel_trains_the_steps_of_one_process_and_2_by_2_those_of_dd
     """2 context-parallel ranks split every pack (1 data-parallel rank accumulating 4): one process's losses,
     clipped gradient norms and weights; 2 x 2 data x context parallel (activation checkpointing on): 2-rank DDP's.
     Every attention layer's key/value gradients are reduce-scattered over the context group once per micro-batch
-    (2 layers x the rank's micro-batches), FSDP2's gradients once per step (2 layers + the root)."""
+    (2 layers x the rank's micro-batches), and so are FSDP2's (2 layers + the root, `gradient_accumulation:
+    sharded`)."""
     cp, expected = fits[run], fits[other]
     assert cp["losses"] == pytest.approx(expected["losses"], abs=LOSS_ATOL)
     scale = 2**0.5 if other == "ddp" else 1.0
     assert [n * scale for n in cp["grad_norms"]] == pytest.approx(expected["grad_norms"], rel=NORM_RTOL)
     assert max_weight_diff(cp["weights"], expected["weights"]) < WEIGHT_ATOL
     micro_batches = 4 if run == "cp" else 2
-    assert cp["reduce_scatters"] == [3 + 2 * micro_batches] * 3
+    assert cp["reduce_scatters"] == [(3 + 2) * micro_batches] * 3
 
 
 @pytest.mark.slow
@@ -355,11 +357,23 @@ def test_ddp_on_the_same_packs_trains_the_steps_of_one_process(fits):
 
 
 @pytest.mark.slow
-def test_accumulating_2_micro_batches_reduce_scatters_once_per_group_and_step(fits):
-    """2 decoder layers + the root: 3 reduce-scatters a step, not 6 (the first micro-batch of each step only
-    accumulates); with LoRA the root holds no trainable weight: 2."""
-    assert fits["fsdp2"]["reduce_scatters"] == [3, 3, 3]
-    assert fits["fsdp2_lora"]["reduce_scatters"] == [2, 2, 2]
+def test_accumulating_2_micro_batches_reduce_scatters_each_or_once_per_group_and_step(fits):
+    """2 decoder layers + the root, 2 micro-batches a step: `gradient_accumulation: sharded` (the default)
+    reduce-scatters each micro-batch's gradients into the shards, 6 a step (with LoRA the root holds no trainable
+    weight: 4); `unsharded` only the step's last micro-batch's, 3 a step, the first one's whole gradients held
+    until then."""
+    assert fits["fsdp2"]["reduce_scatters"] == [6, 6, 6]
+    assert fits["fsdp2_lora"]["reduce_scatters"] == [4, 4, 4]
+    assert fits["fsdp2_unsharded"]["reduce_scatters"] == [3, 3, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("other", ["one", "fsdp2"])
+def test_unsharded_accumulation_trains_the_steps_of_one_process_and_of_sharded_accumulation(fits, other):
+    unsharded, expected = fits["fsdp2_unsharded"], fits[other]
+    assert unsharded["losses"] == pytest.approx(expected["losses"], abs=LOSS_ATOL)
+    assert unsharded["grad_norms"] == pytest.approx(expected["grad_norms"], rel=NORM_RTOL)
+    assert max_weight_diff(unsharded["weights"], expected["weights"]) < WEIGHT_ATOL
 
 
 @pytest.mark.slow
@@ -370,7 +384,7 @@ def test_activation_checkpointing_and_cpu_offload_train_fsdp2s_steps_with_no_ext
     memory (`cpu_offload`, all host memory on CPU ranks) train the same bits."""
     checkpointed, plain = fits["fsdp2_offload_ckpt"], fits["fsdp2"]
     assert plain["all_gathers"][1:] == [10, 10] and checkpointed["all_gathers"] == plain["all_gathers"]
-    assert checkpointed["reduce_scatters"] == plain["reduce_scatters"] == [3, 3, 3]
+    assert checkpointed["reduce_scatters"] == plain["reduce_scatters"] == [6, 6, 6]
     assert checkpointed["losses"] == plain["losses"] and checkpointed["grad_norms"] == plain["grad_norms"]
     assert max_weight_diff(checkpointed["weights"], plain["weights"]) == 0.0
 
