@@ -13,7 +13,8 @@ scored groups train it, round after round, packed as stored rollout groups are.
 A round: the next `prompts_per_round` prompts (a seeded permutation of the prompt source, epoch after epoch), each
 data-parallel rank sampling its share with `generate` (`models.rollouts.sample_groups`: G completions per prompt and
 the sampler's log-probs of every token), scored by the sum of the reward functions (each called with the prompts,
-the completion texts and the prompt source's other columns, as TRL calls them); the groups gathered from every rank,
+the completion texts and the prompt source's other columns, as TRL calls them; a None skips that function for that
+completion, and a completion none scores is left out of its group); the groups gathered from every rank,
 written by rank 0 to `<run folder>/rollouts/round_<k>.jsonl` (a stored-rollouts file: `HFDataset` of it trains the
 same groups), tokenized and planned by the configured sampler as one dataset, and trained `iterations` times (each
 pass a new plan; the stored log-probs are the behaviour policy's, so later passes clip). Then the next round samples
@@ -23,11 +24,13 @@ said at start.
 
 Generation runs between optimizer steps, in the training process, with the model in eval mode and its own random
 stream (the training's is untouched), by the policy the step before the round left. The round's rollout metrics
-(`rollout/round`, `rollout/reward`, `rollout/generation_s`, `rollout/generated_tokens_per_s`) are logged at each of
-its steps, and training's effective tokens/s counts the training steps only. The round's first step trains the
-policy that sampled it, and `GRPO` checks there that the training forward scores the sampled tokens as the sampler
-did. A checkpoint keeps the round and the micro-batch inside it: a resume reads the round's file back and samples
-the next rounds from the restored policy, as the uninterrupted run would.
+(`rollout/round`, `rollout/reward`, `rollout/generation_s`, `rollout/generated_tokens_per_s`,
+`rollout/clipped_ratio`) are logged at each of its steps, and training's effective tokens/s counts the training
+steps only. Each batch marks the completions that hit `max_new_tokens` without an end-of-sequence token
+(`batch["round"]["truncated"]`), which `GRPO(mask_truncated_completions=True)` leaves out of the loss. The round's
+first step trains the policy that sampled it, and `GRPO` checks there that the training forward scores the sampled
+tokens as the sampler did. A checkpoint keeps the round and the micro-batch inside it: a resume reads the round's
+file back and samples the next rounds from the restored policy, as the uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from lit_packing._compat import data_parallel
-from lit_packing.batch import ROUND, StepShape
+from lit_packing.batch import COMPLETION_TOKENS, INPUT_IDS, ROUND, StepShape
 from lit_packing.contract import DataContract, ModelContract, Policy
 from lit_packing.data.feed import Feed, SamplerBuilder
 from lit_packing.data.report import TokenizationReport
@@ -98,8 +101,10 @@ class OnPolicyRollouts(Source):
         top_p: sample from the smallest set of tokens whose probability reaches p (1: all of them). Either cut
             decides what is drawn; the log-probs stored and trained are the policy's over the whole vocabulary at
             the objective's temperature (as TRL's), so the first step of a round has an importance ratio of 1.
-        reward_funcs: import paths of reward functions, `(prompts, completions, **columns) -> list[float]`; a
-            completion's reward is their sum.
+        reward_funcs: import paths of reward functions, `(prompts, completions, **columns) -> list[float | None]`;
+            a completion's reward is their sum over the functions that score it (None: not scored, TRL's nansum).
+            A completion that no function scores is left out of its group (said in one line), so its group's
+            baseline and std are those of the scored completions, as TRL's; a round with none scored stops the run.
         iterations: passes over each round's groups before the next round (TRL's `num_iterations`).
         generation_batch: prompts per `generate` call (x G sequences).
         seed: the prompts' order and the sampling.
@@ -333,8 +338,13 @@ class RoundLoader:
         return steps < self.trainer.max_steps
 
     def _collate(self, dataset: TokenizedDataset, pack: Pack, number: int, stats: dict, fresh: bool) -> dict[str, Any]:
-        batch = self.collate(Pack([dataset[key] for key in pack], step=pack.step))
-        batch[ROUND] = {"number": number, "stats": stats, "clock": self.clock, "on_policy": fresh}
+        from lit_packing.models.rollouts import end_of_sequence_ids
+
+        items = Pack([dataset[key] for key in pack], step=pack.step)
+        batch = self.collate(items)
+        ends = end_of_sequence_ids(self.feed.policy.model, self.tokenizer)
+        batch[ROUND] = {"number": number, "stats": stats, "clock": self.clock, "on_policy": fresh,
+                        "truncated": truncated_completions(items, ends)}  # fmt: skip
         return batch
 
     # ------------------------------------------------------------ one round
@@ -353,7 +363,7 @@ class RoundLoader:
 
     def _sample(self, number: int) -> tuple[list[dict], dict[str, float]]:
         """Round `number`'s groups: this rank's share of its prompts sampled and scored, every rank's gathered."""
-        from lit_packing.models.rollouts import sample_groups
+        from lit_packing.models.rollouts import end_of_sequence_ids, sample_groups
 
         if self._sampled is not None and self._sampled[0] == number:  # Lightning restarted its iterator: no resample
             return self._sampled[1]
@@ -382,15 +392,19 @@ class RoundLoader:
                 model.train(was_training)
             seconds = time.perf_counter() - began
             self.clock["sampling_s"] += seconds
-            self._sum_rewards(groups, columns)
             for k, (group, row) in enumerate(zip(groups, mine)):
                 group["prompt_row"] = row
                 group.update({name: values[k] for name, values in columns.items()})
+            self._sum_rewards(groups, columns)
         else:
             seconds = 0.0
         generated = sum(len(c) for g in groups for c in g["completions"])
-        gathered = _gather(groups, world)
+        gathered = _gather(scored_groups(groups, number), world)
         gathered.sort(key=lambda g: rows.index(g["prompt_row"]))
+        if not gathered:  # every rank decides on the same gathered round
+            raise DataError(f"on-policy round {number}: no reward function scored any completion (each returned None): "
+                            f"check {_SETTING}.reward_funcs and the prompts' columns they read (an answer that "
+                            "does not parse), or raise prompts_per_round")  # fmt: skip
         out = [_row(group) for group in gathered]
         advantages = policy.round_advantages(out)
         for row, values in zip(out, advantages or []):  # advantages of the whole round (`scale_rewards: batch`)
@@ -398,22 +412,27 @@ class RoundLoader:
         if self.trainer.is_global_zero:
             self._write(number, out)
         rewards = [r for row in out for r in row["rewards"]]
+        ends = end_of_sequence_ids(model, self.tokenizer)
+        truncated = [c[-1] not in ends for row in out for c in row["completions"]]
         stats = {"round": number, "reward": float(np.mean(rewards)), "generation_s": seconds,
-                 "generated_tokens_per_s": generated / max(seconds, 1e-9)}  # fmt: skip
+                 "generated_tokens_per_s": generated / max(seconds, 1e-9),
+                 "clipped_ratio": float(np.mean(truncated))}  # fmt: skip
         self._sampled = number, (out, stats)
         return out, stats
 
     def _sum_rewards(self, groups: list[dict], columns: dict[str, list]) -> None:
-        """Each completion's reward: the sum of every reward function's."""
+        """Each completion's reward: the sum of the reward functions' that score it (TRL's nansum), NaN where none
+        does."""
         from lit_packing.models.rollouts import score_groups
 
-        totals = None
+        scores = []  # per function, per group: (G,) with NaN where it scores nothing
         for path in self.source.reward_funcs:
             score_groups(groups, import_reward(path), **columns)
-            scores = [group["rewards"] for group in groups]
-            totals = scores if totals is None else [[a + b for a, b in zip(t, s)] for t, s in zip(totals, scores)]
-        for group, total in zip(groups, totals or []):
-            group["rewards"] = total
+            scores.append([np.asarray(group["rewards"], dtype=np.float64) for group in groups])
+        for k, group in enumerate(groups):
+            table = np.stack([function[k] for function in scores])  # (functions, G)
+            unscored = np.isnan(table).all(axis=0)
+            group["rewards"] = np.where(unscored, np.nan, np.nansum(table, axis=0)).tolist()
 
     def _write(self, number: int, rows: list[dict]) -> None:
         """Round `number`'s groups as a stored-rollouts file, written whole or not at all."""
@@ -484,6 +503,43 @@ def _gather(groups: list[dict], world: int) -> list[dict]:
     gathered: list[list[dict] | None] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, groups)
     return [group for part in gathered for group in (part or [])]
+
+
+def truncated_completions(items: list[dict], ends: list[int]) -> list[bool]:
+    """Per completion of a batch's group items (in the batch's order), whether it stopped at the generation limit:
+    its last token is none of the `ends` that end a completion (TRL's test for `mask_truncated_completions`). A
+    prompt [5, 6] and completions [7, 2] (ended by 2) and [8, 9]:
+
+    >>> truncated_completions([{"input_ids": [5, 6, 7, 2, 8, 9], "completion_tokens": [2, 2]}], ends=[2])
+    [False, True]
+    """
+    flags = []
+    for item in items:
+        ids, sizes = item[INPUT_IDS], item.get(COMPLETION_TOKENS) or []
+        last = len(ids) - sum(sizes) + np.cumsum(sizes) - 1  # each completion's last token
+        flags.extend(bool(int(ids[i]) not in ends) for i in last)
+    return flags
+
+
+def scored_groups(groups: list[dict], number: int) -> list[dict]:
+    """The groups without their completions that no reward function scored (reward NaN), said in one line; a group
+    left with none is left out. TRL keeps such a completion out of its group's mean and std and gives it no
+    advantage: here it is not trained at all."""
+    kept, dropped = [], 0
+    per_completion = ("completions", "texts", "behaviour_logps", "rewards")
+    for group in groups:
+        scored = [not np.isnan(r) for r in group["rewards"]]
+        dropped += scored.count(False)
+        if all(scored):
+            kept.append(group)
+        elif any(scored):
+            kept.append({**group, **{key: [v for v, s in zip(group[key], scored) if s] for key in per_completion}})
+    if dropped:
+        total = sum(len(group["rewards"]) for group in groups)
+        log.warning("on-policy round %s: %s of %s completions were scored by no reward function (each returned None):"
+                    " left out of their groups (%s groups left of %s)", number, dropped, total,
+                    len(kept), len(groups))  # fmt: skip
+    return kept
 
 
 def _row(group: dict) -> dict:

@@ -27,6 +27,13 @@ so the loss and its gradients are the same however the step's groups are packed,
 spread over ranks. TRL's `grpo` and `bnpo` divide by the local micro-batch's completions / tokens (and then by the
 accumulation steps): equal to these on a step of one micro-batch, different once a step is split.
 
+`mask_truncated_completions` (TRL's) leaves the completions that stopped at the generation limit without an
+end-of-sequence token out of the loss: their tokens' loss (surrogate and KL) and metrics are zero, so they move
+nothing; their rewards still count in their group's advantages. The step's totals, counted by the plan before
+anything is trained, still count them: the sequence-normalised types divide as TRL does (its mean over the
+micro-batch's completions counts them too), the token-normalised ones by all the step's completion tokens, where
+TRL's `num_items_in_batch` leaves the masked ones out.
+
 Advantages from rewards (`advantages`): `grpo` subtracts the group's mean reward and divides by the group's std
 (`scale_rewards: group`, + 1e-4 as TRL does), by the std of every reward of the generation batch (`batch`: an
 on-policy round, whose advantages the sampler computes with `batch_advantages`) or not (`none`); `rloo` subtracts the
@@ -71,6 +78,8 @@ class GRPOSettings:
             rounds only) or `none`.
         temperature: the sampling temperature: the completions' log-probs are the logits divided by it (on-policy
             rounds are sampled at it).
+        mask_truncated_completions: leave the completions that hit the generation limit without an end-of-sequence
+            token out of the loss (on-policy rounds, which mark them).
     """
 
     loss_type: LossType = "dapo"
@@ -82,6 +91,7 @@ class GRPOSettings:
     advantages: Literal["grpo", "rloo"] = "grpo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     temperature: float = 1.0
+    mask_truncated_completions: bool = False
 
     def __post_init__(self) -> None:
         choices = {"loss_type": LOSS_TYPES, "importance_sampling_level": ("token", "sequence"),
@@ -222,6 +232,7 @@ def grpo_loss(
     behaviour: torch.Tensor | None = None,
     reference: torch.Tensor | None = None,
     per_token: bool = False,
+    trained: torch.Tensor | None = None,
 ) -> GRPOParts:
     """The micro-batch's loss sum and metric sums (see the module docstring).
 
@@ -231,6 +242,7 @@ def grpo_loss(
         settings: the loss's settings.
         behaviour: (N,) the behaviour policy's log-probs per completion token; None: on-policy (ratio 1).
         reference: (N,) the reference's log-probs per completion token (needed when `beta` > 0).
+        trained: (C,) bool, the completions the loss trains (`mask_truncated_completions`); None: all of them.
     """
     if settings.beta and reference is None:
         raise ConfigError("beta", "a KL to the reference needs the reference's log-probs", "set it to 0 or give them")
@@ -238,6 +250,7 @@ def grpo_loss(
     old = pi.detach() if behaviour is None else behaviour.to(pi.dtype)
     tokens = torch.zeros(count, dtype=pi.dtype, device=pi.device).index_add_(0, which, torch.ones_like(pi))
     per_completion = lambda x: torch.zeros_like(tokens).index_add_(0, which, x)  # noqa: E731
+    kept = torch.ones_like(pi, dtype=torch.bool) if trained is None else trained.to(pi.device)[which]  # (N,)
     log_ratio = pi - old
     sequence = settings.importance_sampling_level == "sequence"
     if sequence:  # GSPO: one ratio per completion, its mean token log-ratio's exponential
@@ -245,19 +258,20 @@ def grpo_loss(
     ratio = log_ratio.exp()
     advantages = advantages.to(pi.dtype) if per_token else advantages.to(pi.dtype)[which]
     losses, clipped = _surrogate(ratio, advantages, pi, settings)
-    n_tokens = torch.tensor(float(len(pi)), dtype=torch.float64, device=pi.device)
+    n_tokens = kept.double().sum()
     completions = torch.tensor(float(count), dtype=torch.float64, device=pi.device)
-    metrics = {  # clip fractions over tokens, or (GSPO) over completions, as TRL logs them
-        name: ((per_completion(mask.to(pi.dtype)) > 0).double().sum(), completions) if sequence
-        else (mask.double().sum(), n_tokens)
+    metrics = {  # clip fractions over tokens, or (GSPO) over completions (a masked one: never clipped), as TRL's
+        name: ((per_completion((mask & kept).to(pi.dtype)) > 0).double().sum(), completions) if sequence
+        else ((mask & kept).double().sum(), n_tokens)
         for name, mask in clipped.items()
     }  # fmt: skip
-    metrics["entropy"] = (policy.entropy.double().sum(), n_tokens)
+    metrics["entropy"] = (policy.entropy.double().masked_fill(~kept, 0).sum(), n_tokens)
     if settings.beta:
         delta = reference.to(pi.dtype) - pi
         kl = (delta.exp() - delta - 1) * ratio  # importance-corrected, as TRL's default (use_bias_correction_kl)
         losses = losses + settings.beta * kl
-        metrics["kl"] = (kl.detach().double().sum(), n_tokens)
+        metrics["kl"] = (kl.detach().double().masked_fill(~kept, 0).sum(), n_tokens)
+    losses = torch.where(kept, losses, torch.zeros_like(losses))  # a masked completion's tokens: no loss, no gradient
     if settings.loss_type == "grpo":  # each completion's token mean
         loss_sum = (per_completion(losses) / tokens.clamp_min(1)).sum()
     elif settings.loss_type == "dr_grpo":

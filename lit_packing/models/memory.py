@@ -64,6 +64,10 @@ LOGIT_BYTES = 16
 # more over 10 steps; less the reuse, 0.19x with full weights (0.5 GiB of gradients). See docs/memory_and_compile.md.
 # A GPU's caching allocator is read as its live tensors (`memory_allocated`): nothing added there.
 CPU_HEAP_RETENTION = 0.75
+# glibc's dynamic mmap threshold never rises above this (64-bit: 32 MiB): a block at least this large is mapped on
+# its own and unmapped when freed, so the heap never keeps it (a chunk of 1,024 tokens' fp32 logits over a
+# 49,152-word vocabulary is 192 MiB).
+MMAP_THRESHOLD_MAX = 32 * 2**20
 
 
 @dataclass(frozen=True)
@@ -238,6 +242,8 @@ class MemoryModel:
         activations = int(activations)
         rows = tokens if self.loss_impl == "full" else min(tokens, self.loss_chunk_size)
         logits = rows * self.vocab_size * LOGIT_BYTES
+        # A logits buffer of glibc's largest mmap threshold or more is always mapped, and returned when freed.
+        heap_logits = logits if rows * self.vocab_size * 4 < MMAP_THRESHOLD_MAX else 0
         return MemoryEstimate(
             step=step,
             device=self.device,
@@ -256,7 +262,7 @@ class MemoryModel:
             gathered=self.gathered,
             accumulated=self.accumulated,
             context=self.context,
-            heap=max(0, int(self.heap_retention * (activations + logits)) - 2 * self.gradients),
+            heap=max(0, int(self.heap_retention * (activations + heap_logits)) - 2 * self.gradients),
         )
 
 

@@ -187,6 +187,8 @@ class GRPO(Objective):
             on-policy rounds, whose sampler computes the advantages) or `none`.
         temperature: the sampling temperature (TRL's): log-probs of the logits divided by it; on-policy rounds are
             sampled at it; stored rollouts' `behaviour_logps` must be of the same.
+        mask_truncated_completions: leave the completions that stopped at `max_new_tokens` without an
+            end-of-sequence token out of the loss (TRL's; on-policy rounds, whose batches mark them).
     """
 
     eval_metrics = ()
@@ -202,9 +204,11 @@ class GRPO(Objective):
         advantages: str = "grpo",
         scale_rewards: str = "group",
         temperature: float = 1.0,
+        mask_truncated_completions: bool = False,
     ) -> None:
         self.settings = GRPOSettings(loss_type, epsilon, epsilon_high, beta, importance_sampling_level,
-                                     max_completion_length, advantages, scale_rewards, temperature)  # fmt: skip
+                                     max_completion_length, advantages, scale_rewards, temperature,
+                                     mask_truncated_completions)  # fmt: skip
         self.normalizer = self.settings.normalizer
         self.needs_reference = beta > 0
         self.temperature = temperature
@@ -235,7 +239,8 @@ class GRPO(Objective):
             reference = lm.precomputed.lookup_groups(stage, batch, policy)
         elif self.needs_reference:
             reference = reference_forward(lm, batch, lambda outputs, b: completion_logps(outputs, b, temperature).logps)
-        parts = grpo_loss(policy, advantages, self.settings, behaviour, reference, TOKEN_ADVANTAGES in batch)
+        trained = self.trained_completions(batch, device)
+        parts = grpo_loss(policy, advantages, self.settings, behaviour, reference, TOKEN_ADVANTAGES in batch, trained)
         # On the first step of an on-policy round the policy that sampled trains: its log-probs must be the
         # sampler's (ratio 1). (sum |difference|, tokens) there, (0, 0) elsewhere: every micro-batch has the metric.
         zero = policy.logps.new_zeros((), dtype=torch.float64)
@@ -244,6 +249,18 @@ class GRPO(Objective):
             difference = (policy.logps.detach() - behaviour.to(policy.logps)).abs().double()
             mismatch = (difference.sum(), zero + len(difference))
         return parts, advantages, mismatch
+
+    def trained_completions(self, batch, device: torch.device) -> torch.Tensor | None:
+        """(C,) bool, the completions the loss trains with `mask_truncated_completions` (those that ended with an
+        end-of-sequence token, as the on-policy round marks them); None: all."""
+        if not self.settings.mask_truncated_completions or not len(batch[COMPLETIONS]):
+            return None
+        truncated = batch.get(ROUND, {}).get("truncated")
+        if truncated is None:
+            raise ConfigError("mask_truncated_completions", "stored rollouts do not mark the completions that hit "
+                              "the generation limit", "use it on-policy (data.source: OnPolicyRollouts) or set it "
+                              "false")  # fmt: skip
+        return ~torch.tensor(truncated, dtype=torch.bool, device=device)
 
     def loss(self, lm, batch):
         parts, advantages, mismatch = self.parts(lm, batch)

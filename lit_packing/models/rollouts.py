@@ -6,21 +6,98 @@ the rows `GroupCollator` trains (and a JSON Lines file of them, `data.source` fo
 
 A prompt (a text, one user turn; or a list of chat messages) is rendered with the tokenizer's chat template and
 its generation prompt, exactly as tokenization renders a group's prompt, so the stored token ids continue the
-prompt the data module builds. A completion ends with the end-of-sequence token (kept: it is trained, as TRL
-trains it) or at `max_new_tokens`. Log-probs are the policy's when it sampled, `log_softmax(logits / temperature)`
-over the whole vocabulary, as the objective scores them: a top-k / top-p cut (`top_k`, `top_p`) decides which
-tokens can be drawn, not the log-probs stored (as TRL scores a policy sampled with a cut), so a first step on-policy
-has an importance ratio of exactly 1 either way.
+prompt the data module builds. A completion ends with an end-of-sequence token (kept: it is trained, as TRL
+trains it): the tokenizer's, or any of the model generation config's `eos_token_id` (a list on many chat models),
+or at `max_new_tokens`. Log-probs are the policy's when it sampled, `log_softmax(logits / temperature)` over the
+whole vocabulary, as the objective scores them: a top-k / top-p cut (`top_k`, `top_p`) decides which tokens can be
+drawn, not the log-probs stored (as TRL scores a policy sampled with a cut), so a first step on-policy has an
+importance ratio of exactly 1 either way.
+
+Every draw is from that distribution: `generate` fills each setting a call leaves unset from the model's
+`generation_config`, and a model ships processors there that would change the draws and not the log-probs stored
+(Qwen2.5-Instruct's `repetition_penalty` 1.05; `suppress_tokens`, `no_repeat_ngram_size`, `bad_words_ids`,
+`min_new_tokens`, ...). Sampling sets the temperature, the cut, the limit and the end and pad ids, and nothing
+else: the model's other fields are cleared for the call, and named once in the log.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
 import re
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
+from transformers import GenerationConfig
 
-RewardFunction = Callable[..., list[float]]  # (prompts, completions, **columns) -> one reward per completion
+log = logging.getLogger(__name__)
+
+RewardFunction = Callable[..., list[float | None]]  # (prompts, completions, **columns) -> a reward per completion
+SAMPLER_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "max_length")  # sampling sets these
+# Fields no draw depends on: token ids (the end ids are taken), how generate runs, what it returns
+NON_DRAW_FIELDS = (
+    "eos_token_id",
+    "pad_token_id",
+    "bos_token_id",
+    "decoder_start_token_id",
+    "transformers_version",
+    "use_cache",
+    "cache_implementation",
+    "cache_config",
+    "compile_config",
+    "disable_compile",
+)
+_said: set[str] = set()  # the log lines said once in this process
+
+
+def end_of_sequence_ids(model, tokenizer) -> list[int]:
+    """Every token that ends a completion: the tokenizer's end-of-sequence token and each of the model generation
+    config's `eos_token_id` (one id, or a list: Qwen2.5-Instruct ends a turn at <|im_end|> and <|endoftext|>)."""
+    shipped = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    listed = shipped if isinstance(shipped, (list, tuple)) else [shipped]
+    return list(dict.fromkeys(int(i) for i in [tokenizer.eos_token_id, *listed] if i is not None))
+
+
+def shipped_settings(model) -> dict[str, Any]:
+    """The fields the model's `generation_config` sets that a draw depends on: what `generate` would add to one."""
+    shipped = getattr(model, "generation_config", None)
+    if shipped is None:
+        return {}
+    fields = shipped.to_diff_dict().items()
+    return {k: v for k, v in fields if k not in NON_DRAW_FIELDS and not k.startswith(("_", "output_", "return_"))}
+
+
+@contextlib.contextmanager
+def own_distribution(model) -> Iterator[None]:
+    """`generate` with the model's `generation_config` blank for the call (restored after it): transformers fills
+    every setting the call's config leaves unset from it, processors included."""
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model reads its base's
+    shipped = hf.generation_config
+    hf.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        hf.generation_config = shipped
+
+
+def _say_cleared(model, temperature: float, top_k: int, top_p: float) -> None:
+    """One log line, once, naming the model's generation-config fields sampling clears or replaces."""
+    fields = shipped_settings(model)
+    if not fields:
+        return
+    short = lambda v: f"[{len(v)} ids]" if isinstance(v, (list, tuple)) and len(v) > 4 else repr(v)  # noqa: E731
+    cleared = ", ".join(f"{k}={short(v)}" for k, v in fields.items() if k not in SAMPLER_FIELDS)
+    replaced = ", ".join(f"{k}={short(v)}" for k, v in fields.items() if k in SAMPLER_FIELDS)
+    parts = [f"cleared {cleared}"] * bool(cleared) + [f"replaced {replaced}"] * bool(replaced)
+    line = (f"sampling draws from the policy's own distribution (temperature {temperature}, top_k {top_k}, "
+            f"top_p {top_p}: what the log-probs are stored at); of the model's generation_config it "
+            f"{' and '.join(parts)}")  # fmt: skip
+    if line not in _said:
+        _said.add(line)
+        log.info(line)
 
 
 @torch.no_grad()
@@ -41,7 +118,14 @@ def sample_groups(
     `top_p` (1: off) cut the tokens drawn from."""
     torch.manual_seed(seed)
     device = next(model.parameters()).device
-    eos = tokenizer.eos_token_id
+    ends = end_of_sequence_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (ends or [0])[0]
+    config = GenerationConfig(
+        do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
+        num_return_sequences=group_size, eos_token_id=ends or None, pad_token_id=pad, output_logits=True,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    _say_cleared(model, temperature, top_k, top_p)
     groups = []
     for start in range(0, len(prompts), batch_prompts):
         chunk = list(prompts[start : start + batch_prompts])
@@ -49,14 +133,10 @@ def sample_groups(
         rendered = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
         encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in rendered]
         width = max(map(len, encoded))
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         ids = torch.tensor([[pad] * (width - len(x)) + x for x in encoded], device=device)
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in encoded], device=device)
-        out = model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
-            max_new_tokens=max_new_tokens, num_return_sequences=group_size, output_logits=True,
-            return_dict_in_generate=True, pad_token_id=pad, eos_token_id=eos,
-        )  # fmt: skip
+        with own_distribution(model):
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         tokens = out.sequences[:, width:]  # (n * G, new)
         steps = [(s.float() / temperature).log_softmax(-1).gather(-1, tokens[:, t, None])
                  for t, s in enumerate(out.logits)]  # fmt: skip
@@ -65,7 +145,7 @@ def sample_groups(
             completions, behaviour = [], []
             for row in range(k * group_size, (k + 1) * group_size):
                 seq = tokens[row].tolist()
-                n = seq.index(eos) + 1 if eos in seq else len(seq)
+                n = next((i + 1 for i, token in enumerate(seq) if token in ends), len(seq))
                 completions.append(seq[:n])
                 behaviour.append([round(float(x), 6) for x in picked[row, :n]])
             texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
@@ -75,19 +155,42 @@ def sample_groups(
 
 def score_groups(groups: list[dict], reward: RewardFunction, **columns: Sequence) -> None:
     """Add `rewards` to each group: `reward(prompts, completion texts, **columns)` per group, each column's value of
-    that group repeated for its completions (as TRL calls reward functions)."""
+    that group repeated for its completions (as TRL calls reward functions); a None (the function does not score
+    that completion) is kept as NaN, as TRL keeps it."""
     for k, group in enumerate(groups):
         n = len(group["completions"])
         extra = {name: [values[k]] * n for name, values in columns.items()}
-        group["rewards"] = [float(r) for r in reward([group["prompt"]] * n, group["texts"], **extra)]
+        scores = reward([group["prompt"]] * n, group["texts"], **extra)
+        group["rewards"] = [math.nan if r is None else float(r) for r in scores]
 
 
-def math_answer(prompts: list, completions: list[str], answer: list, **columns) -> list[float]:
-    """A reward function built on `math-verify` (the `rl` extra): 1.0 where the completion's final answer (a
-    `\\boxed{}`, LaTeX or a plain expression) is mathematically equal to the `answer` column's, else 0.0."""
-    from math_verify import parse, verify
+def math_answer(prompts: list, completions: list[str], answer: list, **columns) -> list[float | None]:
+    """TRL's `accuracy_reward` on the `answer` column, with `math-verify` (the `rl` extra): 1.0 where the completion's
+    answer (its first `\\boxed{}`, else a LaTeX answer after an anchor such as "the final answer is $11$"; a bare
+    number in the text, hedged or not, is no answer, and two boxes are a set) is mathematically equal to the gold,
+    0.0 where it is not or there is none; None (not scored) where the gold does not parse. A gold answer written as
+    LaTeX without `$` (`\\pi`, `\\frac{\\sqrt2}{2}`) is parsed as LaTeX, any other as math-verify parses text (a
+    number, `$...$`, `\\boxed{}`)."""
+    from latex2sympy2_extended import NormalizationConfig
+    from math_verify import LatexExtractionConfig, parse, verify
 
-    return [float(verify(parse(str(gold)), parse(text))) for text, gold in zip(completions, answer)]
+    main = threading.current_thread() is threading.main_thread()  # math-verify times out with signal.alarm
+    parsing, verifying = (10, 5) if main else (None, None)
+    extraction = [LatexExtractionConfig(normalization_config=NormalizationConfig(units=True), boxed_match_priority=0,
+                                        try_extract_without_anchor=False)]  # fmt: skip
+    rewards: list[float | None] = []
+    for text, expected in zip(completions, answer):
+        gold = str(expected)
+        if "\\" in gold and "$" not in gold:  # bare LaTeX: as text, "3\pi" would parse as the number 3
+            gold_parsed = parse(f"${gold}$", [LatexExtractionConfig()], parsing_timeout=parsing)
+        else:
+            gold_parsed = parse(gold, parsing_timeout=parsing)
+        if not gold_parsed:
+            rewards.append(None)
+            continue
+        parsed = parse(text, extraction, extraction_mode="first_match", parsing_timeout=parsing)
+        rewards.append(float(verify(gold_parsed, parsed, timeout_seconds=verifying)))
+    return rewards
 
 
 math_answer.requires = ("math_verify", "rl")  # the module it imports, and the extra that installs it

@@ -2,7 +2,9 @@
 policy being trained, scored by reward functions given as import paths, written as a stored-rollouts file, trained
 `iterations` times; a stored round replays to the very losses the on-policy run trained; a run stopped between
 rounds resumes to the uninterrupted run's losses and rollouts; the round's rows name their prompt's answer; the
-packaged prompts are the ones the packaged rollouts answer; a sampler that disagrees with the model stops the run."""
+packaged prompts are the ones the packaged rollouts answer; a sampler that disagrees with the model stops the run;
+a reward function's None skips it for that completion (TRL's nansum); `mask_truncated_completions` trains nothing of
+the completions that hit max_new_tokens."""
 
 from __future__ import annotations
 
@@ -32,6 +34,16 @@ def length_reward(prompts: list, completions: list[str], answer: list, **columns
 def bonus(prompts: list, completions: list[str], **columns) -> list[float]:
     """A second reward function: 0.5 for each completion (rewards are summed over the functions)."""
     return [0.5] * len(completions)
+
+
+def odd_length(prompts: list, completions: list[str], **columns) -> list[float | None]:
+    """A reward of some completions only: its length mod 5 where the length is odd, else None (not scored)."""
+    return [float(len(text) % 5) if len(text) % 2 else None for text in completions]
+
+
+def no_reward(prompts: list, completions: list[str], **columns) -> list[float | None]:
+    """A reward function that scores nothing (as TRL's accuracy_reward where the gold answer does not parse)."""
+    return [None] * len(completions)
 
 
 COMMON = [
@@ -270,3 +282,59 @@ def test_two_ddp_ranks_each_sample_their_share_and_train_the_gathered_round(tmp_
         rows = [row for row in csv.DictReader(file) if row.get("train/loss")]
     assert [row["rollout/round"] for row in rows] == ["0.0", "1.0"]
     assert all(float(row["train/sampler_logp_diff"]) < 1e-5 for row in rows)
+
+
+def test_a_reward_function_that_returns_none_skips_that_completion(tmp_path, monkeypatch, capsys):
+    """Two functions, one scoring odd-length completions only, one scoring nothing: a completion's reward is the
+    sum of those that score it (TRL's nansum), and a completion neither scores is left out of its group, said in
+    one line; a round in which nothing is scored stops the run in one line."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.chdir(tmp_path)
+    model = saved_tiny(tmp_path)
+    source = ["--data.source=lit_packing.data.OnPolicyRollouts", "--data.source.init_args.prompts_per_round=2",
+              "--data.source.init_args.group_size=4", "--data.source.init_args.max_new_tokens=4",
+              f"--data.source.init_args.reward_funcs=[{__name__}.odd_length, {__name__}.no_reward]"]  # fmt: skip
+    root, rows = fit(tmp_path, "skipping", model, source, steps=1)
+    groups = [json.loads(line) for line in (root / "rollouts" / "round_000000.jsonl").read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    texts = [tokenizer.decode(c, skip_special_tokens=True) for g in groups for c in g["completions"]]
+    rewards = [r for g in groups for r in g["rewards"]]
+    assert texts and all(len(text) % 2 for text in texts)  # the even ones, scored by no function, are left out
+    assert rewards == [float(len(text) % 5) for text in texts]  # the scoring function's alone
+    dropped = 8 - len(texts)
+    assert dropped > 0 and all(len(g["behaviour_logps"]) == len(g["completions"]) for g in groups)
+    assert f"{dropped} of 8 completions were scored by no reward function" in capsys.readouterr().out
+    assert float(rows[0]["rollout/reward"]) == pytest.approx(sum(rewards) / len(rewards))
+
+    nothing = [*source[:-1], f"--data.source.init_args.reward_funcs=[{__name__}.no_reward]"]
+    line = error_line(["fit", f"--model.name_or_path={model}", *COMMON, *nothing, "--trainer.max_steps=1",
+                       f"--trainer.default_root_dir={tmp_path}"], capsys)  # fmt: skip
+    assert line.startswith("error: on-policy round 0: no reward function scored any completion"), line
+
+
+def test_completions_that_hit_max_new_tokens_train_nothing_when_masked(tmp_path, monkeypatch):
+    """A random model never draws its end-of-sequence token in 4 tokens: every completion is truncated
+    (`rollout/clipped_ratio` 1). With `mask_truncated_completions` the step trains none of them (zero loss, zero
+    gradient: the weights are the starting model's); without it, the same round moves them."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.chdir(tmp_path)
+    model = saved_tiny(tmp_path)
+    start = AutoModelForCausalLM.from_pretrained(model).state_dict()
+    source = ["--data.source=lit_packing.data.OnPolicyRollouts", "--data.source.init_args.prompts_per_round=2",
+              "--data.source.init_args.group_size=4", "--data.source.init_args.max_new_tokens=4",
+              f"--data.source.init_args.reward_funcs=[{__name__}.length_reward]"]  # fmt: skip
+    moved = {}
+    for mask in (True, False):
+        cli = cli_main(["fit", f"--model.name_or_path={model}", *COMMON, *source, "--trainer.max_steps=1",
+                        f"--trainer.default_root_dir={tmp_path}", f"--run_name=mask_{mask}",
+                        f"--model.objective.init_args.mask_truncated_completions={mask}"])  # fmt: skip
+        trained = cli.model.hf_model.state_dict()
+        moved[mask] = max(float((trained[k] - v).abs().max()) for k, v in start.items())
+        csv_dir = next(logger.log_dir for logger in cli.trainer.loggers if isinstance(logger, CSVLogger))
+        with open(Path(csv_dir) / "metrics.csv") as file:
+            [row] = [row for row in csv.DictReader(file) if row.get("train/loss")]
+        assert float(row["rollout/clipped_ratio"]) == 1.0
+        assert (float(row["train/loss"]) == 0.0) == mask and (row.get("train/entropy") in ("", None)) == mask
+    assert moved[True] == 0.0 and moved[False] > 1e-4

@@ -330,3 +330,108 @@ def test_a_group_row_counts_each_prompt_once():
     # unshared sum (p + c)^2 against shared p^2 + sum c (p + c): (G - 1) p^2 + p sum c fewer pairs
     pairs = sum((len(sizes) - 1) * p * p + p * sum(sizes) for p, sizes in SHAPES)
     assert drop == pytest.approx(per_token * saved + per_pair * pairs)
+
+
+def truncated_flags(groups) -> list[bool]:
+    """The first completion of each group marked as stopped at the generation limit."""
+    return [k == 0 for group in groups for k in range(len(group["completion_tokens"]))]
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", [t for t in LOSS_TYPES if t != "bnpo"])
+def test_masked_truncated_completions_give_trls_loss_gradients_and_metrics(loss_type, level):
+    """`mask_truncated_completions`: the first completion of each group, marked truncated, is out of the loss as
+    TRL masks it (its row of `completion_mask` zero): TRL's loss, every gradient and the logged clip fractions,
+    entropy and KL, fp64, off-policy, KL on. The divisor is the step's count of every completion token, as the plan
+    counts it: TRL's dapo and cispo take it as `num_items_in_batch` here (TRL's own leaves the masked tokens out,
+    and its bnpo divides by the micro-batch's unmasked tokens: not compared)."""
+    from benchmarks.trl_grpo import trl_grpo_loss_and_metrics
+
+    policy = packed_model(CONFIG, seed=0).double()
+    reference = packed_model(CONFIG, seed=1).double().eval()
+    trl_model = tiny_model(CONFIG, seed=0).double()
+    settings = settings_for(loss_type, level, beta=0.04)
+    groups = with_behaviour(policy, make_groups(ORACLE_SHAPES))
+    [batch] = attach_step([GroupCollator()(groups)])
+    trained = ~torch.tensor(truncated_flags(groups))
+    policy.zero_grad()
+    advantages = group_advantages(batch["rewards"], batch["groups"], settings)
+    parts = grpo_loss(logps_of(policy, batch), advantages, settings, batch[BEHAVIOUR_LOGPS],
+                      logps_of(reference, batch).logps.detach(), trained=trained)  # fmt: skip
+    ours = parts.loss_sum / batch[STEP][settings.normalizer]
+    ours.backward()
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+    padded = padded_groups(groups, settings, torch.float64)
+    padded["completion_mask"][~trained] = 0
+    with torch.no_grad():
+        ref = _as_padded(logps_of(reference, GroupCollator(share_prompt=False)(groups)).logps, groups,
+                         padded["completion_ids"].shape[1])  # fmt: skip
+    trl_loss, trl_metrics = trl_grpo_loss_and_metrics(
+        trl_model, **padded, loss_type=loss_type, beta=0.04, epsilon=0.2, epsilon_high=settings.epsilon_high,
+        importance_sampling_level=level, ref_per_token_logps=ref, max_completion_length=MAX_COMPLETION,
+        full_precision_logps=True,
+    )  # fmt: skip
+    trl_loss.backward()
+    assert float(ours.detach()) == pytest.approx(float(trl_loss), rel=1e-10, abs=1e-13)
+    assert_grads_close(grads, {n: p.grad for n, p in trl_model.named_parameters() if p.grad is not None}, True)
+    compared = {"entropy", "kl", "clip_ratio/region_mean", "cispo_clip_ratio"} & parts.metrics.keys()
+    for name in compared & trl_metrics.keys():
+        total, count = parts.metrics[name]
+        assert float(total / count) == pytest.approx(trl_metrics[name], rel=1e-6, abs=1e-9), name
+    assert {"entropy", "kl"} <= compared & trl_metrics.keys()
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_a_truncated_completion_contributes_nothing_to_the_loss_or_the_gradients(loss_type):
+    """Through `GRPO.loss`, as a fit calls it, a batch whose on-policy round marks the first completion of each group
+    truncated: whatever those completions' tokens and behaviour log-probs, the loss and every gradient are the same
+    (they count in their groups' advantages only, through their rewards); unmasked, the loss differs."""
+    from lit_packing.batch import ROUND
+    from lit_packing.models import GRPO, PackedCausalLM
+
+    def step(objective, groups, truncated):
+        lm = PackedCausalLM(model_config=CONFIG, objective=objective, memory_check=False)
+        lm.model.double()
+        [batch] = attach_step([GroupCollator()(groups)])
+        batch[ROUND] = {"on_policy": False, "truncated": truncated}
+        parts, metrics = lm.objective.loss(lm, batch)
+        parts.objective.backward()
+        grads = {n: p.grad for n, p in lm.named_parameters() if p.grad is not None}
+        return float(parts.objective), grads, metrics
+
+    policy = packed_model(CONFIG, seed=0).double()
+    groups = with_behaviour(policy, make_groups())
+    flags = truncated_flags(groups)
+    gen = torch.Generator().manual_seed(5)
+    changed = []  # the truncated completions' tokens and behaviour log-probs replaced
+    for group in groups:
+        ids, first = list(group["input_ids"]), group["completion_tokens"][0]
+        prompt = len(ids) - sum(group["completion_tokens"])
+        ids[prompt : prompt + first] = torch.randint(3, CONFIG["vocab_size"], (first,), generator=gen).tolist()
+        logps = list(group[BEHAVIOUR_LOGPS])
+        logps[:first] = (-torch.rand(first, generator=gen, dtype=torch.float64) * 5).tolist()
+        changed.append({**group, "input_ids": ids, BEHAVIOUR_LOGPS: logps})
+    settings = dict(loss_type=loss_type, epsilon_high=1.1 if loss_type == "cispo" else 0.28,
+                    max_completion_length=MAX_COMPLETION, mask_truncated_completions=True)  # fmt: skip
+    torch.manual_seed(0)
+    loss, grads, metrics = step(GRPO(**settings), groups, flags)
+    torch.manual_seed(0)
+    other, other_grads, other_metrics = step(GRPO(**settings), changed, flags)
+    assert other == pytest.approx(loss, rel=1e-12, abs=1e-15)
+    assert_grads_close(other_grads, grads, False)
+    for name in ("entropy", "clip_ratio/region_mean", "reward", "advantage"):
+        if name in metrics:
+            assert float(other_metrics[name][0]) == pytest.approx(float(metrics[name][0]), rel=1e-12), name
+    torch.manual_seed(0)
+    unmasked = step(GRPO(**{**settings, "mask_truncated_completions": False}), changed, flags)[0]
+    assert unmasked != pytest.approx(loss, rel=1e-6)
+
+
+def test_masking_truncated_completions_needs_an_on_policy_round():
+    """Stored rollouts do not mark the completions that hit the generation limit: refused in one line."""
+    from lit_packing.models import GRPO, PackedCausalLM
+
+    lm = PackedCausalLM(model_config=CONFIG, objective=GRPO(mask_truncated_completions=True), memory_check=False)
+    group = {"input_ids": [5, 6, 7, 8, 9], "completion_tokens": [2, 1], "rewards": [1.0, 0.0]}
+    with pytest.raises(ConfigError, match=r"^mask_truncated_completions: stored rollouts do not mark the .* set it "):
+        lm.objective.loss(lm, GroupCollator()(Pack([group], step=step_totals([3]))))

@@ -22,7 +22,13 @@ from lit_packing.errors import ConfigError
 from lit_packing.models import PackedCausalLM
 from lit_packing.models.activations import activation_model, saved_activation_bytes
 from lit_packing.models.auto_size import choose_largest_fitting
-from lit_packing.models.memory import CPU_HEAP_RETENTION, GiB, estimate_step_memory, memory_model
+from lit_packing.models.memory import (
+    CPU_HEAP_RETENTION,
+    MMAP_THRESHOLD_MAX,
+    GiB,
+    estimate_step_memory,
+    memory_model,
+)
 from lit_packing.samplers import BestFitPackingSampler, FixedLengthPackingSampler, RandomBatchSampler
 from tests.conftest import TINY_CONFIGS
 
@@ -130,20 +136,26 @@ def test_gradient_checkpointing_and_chunked_loss_shrink_the_prediction():
 
 def test_on_a_cpu_the_heap_the_allocator_keeps_is_counted_less_what_gradients_reuse():
     """A CPU process keeps a share of a step's freed activations and logits in its heap (glibc), and the step's
-    gradients and the optimizer's copies then reuse part of it; a GPU's allocator is read as live tensors."""
+    gradients and the optimizer's copies then reuse part of it; a logits chunk of glibc's largest mmap threshold or
+    more is mapped on its own and never kept (a 32,000-word vocabulary: 1,024 x 32,000 x 4 bytes = 125 MiB; 1,000
+    words: 4 MiB, kept); a GPU's allocator is read as live tensors."""
     step = StepShape(4096, 4096, 1, 4096)
-    for lora in (None, {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}):
+    for vocab, lora in ((32000, None), (32000, {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}),
+                        (1000, None)):  # fmt: skip
         torch.manual_seed(0)
-        lm = PackedCausalLM(model_config=dict(TINY_CONFIGS["llama"], vocab_size=32000), lora=lora)
+        lm = PackedCausalLM(model_config=dict(TINY_CONFIGS["llama"], vocab_size=vocab), lora=lora)
         memory = memory_model(lm, "32-true", padded=False)
         assert memory.heap_retention == CPU_HEAP_RETENTION
         cpu = memory.estimate(step)
-        kept = int(CPU_HEAP_RETENTION * (cpu.activations + cpu.logits))
+        chunk = lm.hparams.loss_chunk_size * vocab * 4
+        assert (chunk >= MMAP_THRESHOLD_MAX) == (vocab == 32000)
+        kept = int(CPU_HEAP_RETENTION * (cpu.activations + (cpu.logits if vocab == 1000 else 0)))
         assert cpu.heap == max(0, kept - 2 * cpu.gradients) and "heap" in cpu.summary()
         gpu = dataclasses.replace(memory, heap_retention=0.0).estimate(step)
         assert gpu.heap == 0 and "heap" not in gpu.summary()
         assert cpu.peak == gpu.peak + cpu.heap  # 4,096 tokens: the backward's start is the peak
-    assert cpu.heap > 0 and cpu.gradients < kept / 2  # with adapters: a few gradients, most of the heap kept
+        if lora:
+            assert cpu.heap > 0 and cpu.gradients < kept / 2  # with adapters: a few gradients, most of the heap kept
 
 
 def test_a_step_that_cannot_fit_is_refused_with_the_knobs():
