@@ -38,8 +38,10 @@ SOURCE_TOKENS = "source_tokens"  # host list of a streamed batch: real tokens of
 KEY_LENGTHS = "key_lengths"  # host list beside `lengths` when prompts are shared: the keys each segment attends
 WINDOW = "window"  # host dict of a streamed batch: its window's number, examples, fill, data wait so far
 # host dict of an on-policy batch (`data.on_policy`): its round's number and rollout stats, `on_policy` (the round's
-# first step: trained by the policy that sampled it), `clock` (the rank's seconds spent sampling so far) and
-# `truncated` (per completion of the batch, in order: whether it ended without an end-of-sequence id)
+# first step: trained by the policy that sampled it), `clock` (the rank's seconds spent making rounds so far:
+# sampling, scoring, the old log-probs' pass), `truncated` (per completion of the batch, in order: whether it ended
+# without an end-of-sequence id) and, past the first step of a round trained in half precision, `old_logps` (per
+# completion token, flat as `behaviour_logps`: the training forward's log-probs of the policy that sampled)
 ROUND = "round"
 PACKED_KEYS = (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, SEQ_IDX)
 # Which keys each segment of `cu_seq_lens_q` attends, in the two layouts (`cu_seq_lens_k` / `max_length_k` describe

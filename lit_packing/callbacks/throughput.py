@@ -34,7 +34,7 @@ _RATES = {  # logged name -> count it divides by time
 
 
 def _sampling_seconds(batch: Any) -> float:
-    """The seconds this rank spent sampling on-policy rollouts so far (0 for other data)."""
+    """The seconds this rank spent making on-policy rounds so far (0 for other data)."""
     return batch.get(ROUND, {}).get("clock", {}).get("sampling_s", 0.0) if isinstance(batch, dict) else 0.0
 
 
@@ -84,7 +84,9 @@ class TokenThroughputMonitor(pl.Callback):
     `examples_per_sec`, `tflops_per_sec` (model FLOPs, `lit_packing.batch.model_flops`: real tokens only, each
     layer's attention within its window, frozen weights at 4 FLOPs per token, trainable at 6), `mfu` (the same
     FLOPs over the device's peak, where Lightning's table of chips knows it), `hardware_tflops_per_sec` (what the
-    device computed, `hardware_flops`: padding slots and padded rows' max(L)^2 included), `peak_memory_gb`.
+    device computed, `hardware_flops`: padding slots and padded rows' max(L)^2 included), `peak_memory_gb`. On
+    on-policy rounds, whose making (sampling, scoring) is left out of training time, `rollout/generation_share`:
+    the seconds spent making rounds over those plus the training seconds, in the same window, over all ranks.
     Rates are totals over all ranks; with several ranks `effective_tokens_per_sec_per_rank` is their mean per
     rank, and the counts are summed over ranks (one all-reduce) only at logging steps (`trainer.log_every_n_steps`)
     and at the end, so no step waits for a device sync. When training ends a summary table is printed, labelled
@@ -110,6 +112,7 @@ class TokenThroughputMonitor(pl.Callback):
         self._data: DataContract | None = None  # what the data publishes (the summary's data rows)
         self._first_step = 0  # the global step this launch started from (> 0: resumed from a checkpoint)
         self._sampled = 0.0  # the on-policy sampling seconds already left out of `train_seconds`
+        self._rounds_counted = 0.0  # those already counted in a step's `round_s`, paused or not (round 0's too)
 
     def connect_data(self, data: DataContract) -> None:
         """The data's contract (`lit_packing.contract`): its tokenization report ends the fit summary."""
@@ -152,7 +155,11 @@ class TokenThroughputMonitor(pl.Callback):
             counts["flops"] = model_flops(self._shape, batch[COUNTS], batch[LENGTHS], batch.get(KEY_LENGTHS))
             counts["hardware_flops"] = hardware_flops(self._shape, batch[COUNTS])
         sampled = _sampling_seconds(batch)  # on-policy rollouts sampled since the last batch: not training time
-        self.train_seconds += now - self._batch_start - (sampled - self._sampled)
+        trained = now - self._batch_start - (sampled - self._sampled)
+        if ROUND in batch:  # both clocks of an on-policy step, for the generation share
+            counts.update({"round_s": sampled - self._rounds_counted, "train_s": trained})
+            self._rounds_counted = sampled
+        self.train_seconds += trained
         self._sampled = sampled
         self._batch_start = now
         self.totals.update(counts)
@@ -161,6 +168,9 @@ class TokenThroughputMonitor(pl.Callback):
         if trainer.world_size > 1 and not should_update_logs(trainer):
             return
         rates = self.rates(trainer, pl_module)
+        share = rates.pop("generation_share", None)
+        if share is not None:
+            pl_module.log("rollout/generation_share", share, on_step=True, batch_size=1)
         for name, value in rates.items():
             pl_module.log(f"train/{name}", value, on_step=True, batch_size=1)
         pl_module.log(
@@ -172,7 +182,8 @@ class TokenThroughputMonitor(pl.Callback):
         window: Counter[str] = Counter()
         for _, counts in list(self._recent)[1:]:
             window.update(counts)
-        summed = _sum_over_ranks(trainer, pl_module, window, [*_RATES.values(), "flops", "hardware_flops"])
+        names = [*_RATES.values(), "flops", "hardware_flops", "round_s", "train_s"]
+        summed = _sum_over_ranks(trainer, pl_module, window, names)
         elapsed = max(self._recent[-1][0] - self._recent[0][0], 1e-9)
         metrics = {name: summed[count] / elapsed for name, count in _RATES.items()}
         if trainer.world_size > 1:
@@ -182,6 +193,8 @@ class TokenThroughputMonitor(pl.Callback):
         if self._peak_flops:
             metrics["mfu"] = summed["flops"] / elapsed / self._peak_flops
         metrics["peak_memory_gb"] = peak_memory_gb(pl_module.device)
+        if summed["round_s"] + summed["train_s"] > 0:  # on-policy steps in the window
+            metrics["generation_share"] = summed["round_s"] / (summed["round_s"] + summed["train_s"])
         return metrics
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -24,13 +24,21 @@ said at start.
 
 Generation runs between optimizer steps, in the training process, with the model in eval mode and its own random
 stream (the training's is untouched), by the policy the step before the round left. The round's rollout metrics
-(`rollout/round`, `rollout/reward`, `rollout/generation_s`, `rollout/generated_tokens_per_s`,
-`rollout/clipped_ratio`) are logged at each of its steps, and training's effective tokens/s counts the training
-steps only. Each batch marks the completions that hit `max_new_tokens` without an end-of-sequence token
-(`batch["round"]["truncated"]`), which `GRPO(mask_truncated_completions=True)` leaves out of the loss. The round's
-first step trains the policy that sampled it, and `GRPO` checks there that the training forward scores the sampled
-tokens as the sampler did. A checkpoint keeps the round and the micro-batch inside it: a resume reads the round's
-file back and samples the next rounds from the restored policy, as the uninterrupted run would.
+(`round_stats`: TRL's meanings, `rollout/reward_std`, `rollout/frac_reward_zero_std`, `rollout/rewards/<function>/
+mean`, ...) are logged at each of its steps, and training's effective tokens/s counts the training steps only: the
+round's making (sampling, scoring, the pass below) is on `batch["round"]["clock"]`. Each batch marks the completions
+that hit `max_new_tokens` without an end-of-sequence token (`batch["round"]["truncated"]`), which
+`GRPO(mask_truncated_completions=True)` leaves out of the loss. The round's first step trains the policy that sampled
+it, and `GRPO` checks there that the training forward scores the sampled tokens as the sampler did.
+
+The ratio's old log-probs are the trainer's, not the sampler's: the first step's training forward has them; where a
+round trains past its first step (`iterations` > 1, or more groups than one step takes) in half precision, where
+`generate` and the training forward round differently, one no-grad pass of the policy that sampled, before the
+first step, computes them for every group (`batch["round"]["old_logps"]`, kept in the round's file). At full
+precision the sampler's are the trainer's to rounding (the self-test holds them to it) and no pass runs.
+
+A checkpoint keeps the round and the micro-batch inside it: a resume reads the round's file back and samples the
+next rounds from the restored policy, as the uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from lit_packing._compat import data_parallel
-from lit_packing.batch import COMPLETION_TOKENS, INPUT_IDS, ROUND, StepShape
+from lit_packing.batch import COMPLETION_TOKENS, INDEX, INPUT_IDS, ROUND, StepShape
 from lit_packing.contract import DataContract, ModelContract, Policy
 from lit_packing.data.feed import Feed, SamplerBuilder
 from lit_packing.data.report import TokenizationReport
@@ -86,6 +94,17 @@ def import_reward(path: str) -> Callable[..., list[float]]:
         raise ConfigError(f"{_SETTING}.reward_funcs", f"{path} needs the {module} package",
                           install_hint(extra))  # fmt: skip
     return function
+
+
+def reward_names(paths: list[str]) -> list[str]:
+    """The name each reward function is logged under (`rollout/rewards/<name>/mean`): its function name, as TRL
+    names it, or its whole import path where two share one.
+
+    >>> reward_names(["a.final_number", "b.format", "c.format"])
+    ['final_number', 'b.format', 'c.format']
+    """
+    short = [path.rpartition(".")[2] for path in paths]
+    return [name if short.count(name) == 1 else path for name, path in zip(short, paths)]
 
 
 class OnPolicyRollouts(Source):
@@ -261,7 +280,8 @@ class RoundLoader:
         self._starts: dict[int, int] = {}  # round -> its first micro-batch in the fit's count
         self._resume: dict[str, Any] | None = None
         self._handed_out = self._trained = 0
-        self.clock = {"sampling_s": 0.0}  # this rank's seconds spent sampling, read by the throughput callback
+        self.clock = {"sampling_s": 0.0}  # this rank's seconds making rounds, read by the throughput callback
+        self.reward_names = reward_names(self.source.reward_funcs)
         self._sampled: tuple[int, tuple[list[dict], dict]] | None = None  # the last round sampled
         self.resumed_at: int | None = None
         self.restored: str | None = None
@@ -293,8 +313,7 @@ class RoundLoader:
             first: dict[str, Any] | None = None
             if resumed:
                 rows = self._read(number)
-                stats = {"round": number, "reward": float(np.mean([r for row in rows for r in row["rewards"]]))}
-                resumed = False
+                stats = {"round": number, **round_stats(rows, self._ends())}
             else:
                 # The policy that the step before the round leaves samples it. Where Lightning fetches a batch ahead
                 # (a loader of unknown length), the last batch handed out is not trained yet: the round's first
@@ -308,19 +327,17 @@ class RoundLoader:
                                            "Lightning fetched more than one batch ahead")  # fmt: skip
                 rows, stats = self._sample(number)
             dataset = self._tokenize(rows, number)
+            plans = [self._plan(dataset, number, iteration) for iteration in range(self.source.iterations)]
+            old = self._old_logps(dataset, rows, plans)
+            if not resumed and self.trainer.is_global_zero:
+                self._write(number, rows)
+            resumed = False
             self._starts = {**{k: v for k, v in self._starts.items() if k >= number - 2}, number: start}
-            for iteration in range(self.source.iterations):
-                sampler = self.build(dataset.lengths, dataset.count_labels)
-                if not isinstance(sampler, PlannedBatchSampler):
-                    raise ConfigError("data.sampler", f"{sampler!r} has no plan to train rounds with",
-                                      "use a lit_packing sampler")  # fmt: skip
-                sampler.set_epoch((number << 16) | iteration)  # a distinct plan for every pass of every round
-                packs = list(sampler)
-                total = -(-len(packs) // accumulate) * accumulate  # the last step completed with empty packs
-                packs += [Pack([], step=packs[-1].step if packs else None)] * (total - len(packs))
+            for iteration, packs in enumerate(plans):
+                total = len(packs)
                 for position in range(inside, len(packs)):
                     fresh = not iteration and position < accumulate  # the round's first step: the policy that sampled
-                    batch = self._collate(dataset, packs[position], number, stats, fresh)
+                    batch = self._collate(dataset, packs[position], number, stats, fresh, old)
                     if first is not None:
                         first.update(batch)
                         first = None
@@ -337,15 +354,64 @@ class RoundLoader:
             return number < self.rounds
         return steps < self.trainer.max_steps
 
-    def _collate(self, dataset: TokenizedDataset, pack: Pack, number: int, stats: dict, fresh: bool) -> dict[str, Any]:
+    def _plan(self, dataset: TokenizedDataset, number: int, iteration: int) -> list[Pack]:
+        """This rank's packs of one pass over round `number`, whole optimizer steps (the last completed with empty
+        packs): a distinct plan for every pass of every round."""
+        sampler = self.build(dataset.lengths, dataset.count_labels)
+        if not isinstance(sampler, PlannedBatchSampler):
+            raise ConfigError("data.sampler", f"{sampler!r} has no plan to train rounds with",
+                              "use a lit_packing sampler")  # fmt: skip
+        sampler.set_epoch((number << 16) | iteration)
+        packs = list(sampler)
+        accumulate = self.trainer.accumulate_grad_batches
+        total = -(-len(packs) // accumulate) * accumulate
+        return packs + [Pack([], step=packs[-1].step if packs else None)] * (total - len(packs))
+
+    def _ends(self) -> list[int]:
         from lit_packing.models.rollouts import end_of_sequence_ids
 
+        return end_of_sequence_ids(self.feed.policy.model, self.tokenizer)
+
+    def _collate(self, dataset: TokenizedDataset, pack: Pack, number: int, stats: dict, fresh: bool,
+                 old: dict[int, list[float]] | None = None) -> dict[str, Any]:  # fmt: skip
         items = Pack([dataset[key] for key in pack], step=pack.step)
         batch = self.collate(items)
-        ends = end_of_sequence_ids(self.feed.policy.model, self.tokenizer)
         batch[ROUND] = {"number": number, "stats": stats, "clock": self.clock, "on_policy": fresh,
-                        "truncated": truncated_completions(items, ends)}  # fmt: skip
+                        "truncated": truncated_completions(items, self._ends())}  # fmt: skip
+        if old is not None and not fresh:  # past the first step: the trainer's log-probs of the policy that sampled
+            batch[ROUND]["old_logps"] = [logp for item in items for logp in old[int(item[INDEX])]]
         return batch
+
+    def _old_logps(self, dataset: TokenizedDataset, rows: list[dict], plans: list[list[Pack]]) -> dict | None:
+        """Each group's completion-token log-probs (flat, by its row in the round) by the training forward of the
+        policy that sampled, where the round trains past its first step in half precision; None elsewhere.
+
+        One no-grad pass over this rank's packs of the first plan (eval mode, the trainer's precision context),
+        before the round's first step, gathered from every rank and kept in the rows (`old_logps`, one list per
+        completion, written with the round): a resumed round reads them back."""
+        from lit_packing.models.objectives import FULL_PRECISION
+
+        if str(self.trainer.precision) in FULL_PRECISION:
+            return None
+        if any("old_logps" in row for row in rows):  # computed before (a restarted iterator) or read back
+            return {k: [x for c in row["old_logps"] for x in c] for k, row in enumerate(rows) if "old_logps" in row}
+        if self.source.iterations == 1 and len(plans[0]) <= self.trainer.accumulate_grad_batches:
+            return None  # the first step trains every group: its own forward has them
+        began = time.perf_counter()
+        policy = self.feed.policy
+        trainer = self.trainer
+        mine = trainer_logps(policy.model, [[dataset[key] for key in pack] for pack in plans[0]], self.collate,
+                             policy.temperature, trainer.precision_plugin.forward_context,
+                             trainer.strategy.batch_to_device)  # fmt: skip
+        found: dict[int, list[float]] = {}
+        for part in _gather([mine], data_parallel(self.trainer).size):
+            found.update(part)
+        for k, row in enumerate(rows):
+            if k in found:
+                ends = np.cumsum([len(c) for c in row["completions"]]).tolist()
+                row["old_logps"] = [found[k][a:b] for a, b in zip([0, *ends[:-1]], ends)]
+        self.clock["sampling_s"] += time.perf_counter() - began
+        return found
 
     # ------------------------------------------------------------ one round
 
@@ -363,7 +429,7 @@ class RoundLoader:
 
     def _sample(self, number: int) -> tuple[list[dict], dict[str, float]]:
         """Round `number`'s groups: this rank's share of its prompts sampled and scored, every rank's gathered."""
-        from lit_packing.models.rollouts import end_of_sequence_ids, sample_groups
+        from lit_packing.models.rollouts import sample_groups
 
         if self._sampled is not None and self._sampled[0] == number:  # Lightning restarted its iterator: no resample
             return self._sampled[1]
@@ -375,6 +441,7 @@ class RoundLoader:
         source = self.source
         began = time.perf_counter()
         groups: list[dict] = []
+        seconds = 0.0
         if mine:
             prompts = self.feed.prompts.select(mine)
             columns = {name: prompts[name] for name in prompts.column_names if name != "prompt"}
@@ -391,13 +458,11 @@ class RoundLoader:
             finally:
                 model.train(was_training)
             seconds = time.perf_counter() - began
-            self.clock["sampling_s"] += seconds
             for k, (group, row) in enumerate(zip(groups, mine)):
                 group["prompt_row"] = row
                 group.update({name: values[k] for name, values in columns.items()})
-            self._sum_rewards(groups, columns)
-        else:
-            seconds = 0.0
+            functions = [import_reward(path) for path in source.reward_funcs]
+            sum_rewards(groups, dict(zip(self.reward_names, functions)), columns)
         generated = sum(len(c) for g in groups for c in g["completions"])
         gathered = _gather(scored_groups(groups, number), world)
         gathered.sort(key=lambda g: rows.index(g["prompt_row"]))
@@ -409,30 +474,11 @@ class RoundLoader:
         advantages = policy.round_advantages(out)
         for row, values in zip(out, advantages or []):  # advantages of the whole round (`scale_rewards: batch`)
             row["advantages"] = values
-        if self.trainer.is_global_zero:
-            self._write(number, out)
-        rewards = [r for row in out for r in row["rewards"]]
-        ends = end_of_sequence_ids(model, self.tokenizer)
-        truncated = [c[-1] not in ends for row in out for c in row["completions"]]
-        stats = {"round": number, "reward": float(np.mean(rewards)), "generation_s": seconds,
-                 "generated_tokens_per_s": generated / max(seconds, 1e-9),
-                 "clipped_ratio": float(np.mean(truncated))}  # fmt: skip
+        stats = {"round": number, **round_stats(gathered, self._ends(), self.reward_names), "generation_s": seconds,
+                 "generated_tokens_per_s": generated / max(seconds, 1e-9)}  # fmt: skip
+        self.clock["sampling_s"] += time.perf_counter() - began  # sampling, scoring, gathering: not training
         self._sampled = number, (out, stats)
         return out, stats
-
-    def _sum_rewards(self, groups: list[dict], columns: dict[str, list]) -> None:
-        """Each completion's reward: the sum of the reward functions' that score it (TRL's nansum), NaN where none
-        does."""
-        from lit_packing.models.rollouts import score_groups
-
-        scores = []  # per function, per group: (G,) with NaN where it scores nothing
-        for path in self.source.reward_funcs:
-            score_groups(groups, import_reward(path), **columns)
-            scores.append([np.asarray(group["rewards"], dtype=np.float64) for group in groups])
-        for k, group in enumerate(groups):
-            table = np.stack([function[k] for function in scores])  # (functions, G)
-            unscored = np.isnan(table).all(axis=0)
-            group["rewards"] = np.where(unscored, np.nan, np.nansum(table, axis=0)).tolist()
 
     def _write(self, number: int, rows: list[dict]) -> None:
         """Round `number`'s groups as a stored-rollouts file, written whole or not at all."""
@@ -526,7 +572,7 @@ def scored_groups(groups: list[dict], number: int) -> list[dict]:
     left with none is left out. TRL keeps such a completion out of its group's mean and std and gives it no
     advantage: here it is not trained at all."""
     kept, dropped = [], 0
-    per_completion = ("completions", "texts", "behaviour_logps", "rewards")
+    per_completion = ("completions", "texts", "behaviour_logps", "rewards", "function_rewards")
     for group in groups:
         scored = [not np.isnan(r) for r in group["rewards"]]
         dropped += scored.count(False)
@@ -544,4 +590,80 @@ def scored_groups(groups: list[dict], number: int) -> list[dict]:
 
 def _row(group: dict) -> dict:
     """A sampled group as a stored-rollouts row (what `HFDataset` reads back), its prompt's row kept as `prompt_row`."""
-    return {k: v for k, v in group.items() if k != "texts"}
+    return {k: v for k, v in group.items() if k not in ("texts", "function_rewards")}
+
+
+def sum_rewards(groups: list[dict], functions: dict[str, Callable[..., list]], columns: dict[str, list]) -> None:
+    """Score each group's completions with every reward function (by name): `function_rewards` (per completion,
+    each function's reward, NaN where it returned None) and `rewards`, their sum over the functions that score it
+    (TRL's nansum), NaN where none does."""
+    from lit_packing.models.rollouts import score_groups
+
+    scores = []  # per function, per group: (G,) with NaN where it scores nothing
+    for function in functions.values():
+        score_groups(groups, function, **columns)
+        scores.append([np.asarray(group["rewards"], dtype=np.float64) for group in groups])
+    for k, group in enumerate(groups):
+        table = np.stack([function[k] for function in scores])  # (functions, G)
+        unscored = np.isnan(table).all(axis=0)
+        group["function_rewards"] = table.T.tolist()
+        group["rewards"] = np.where(unscored, np.nan, np.nansum(table, axis=0)).tolist()
+
+
+def _std(values: np.ndarray) -> float:
+    """The sample std (n - 1, as TRL's `nanstd`); 0 for fewer than two values."""
+    return float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
+def round_stats(groups: list[dict], ends: list[int], names: list[str] | None = None) -> dict[str, float]:
+    """A round's rollout metrics, TRL's meanings, over every rank's scored groups: `reward` and `reward_std` over
+    its completions, `frac_reward_zero_std` (the share of groups whose rewards are all equal: no advantage, no
+    gradient), `clipped_ratio` (the share of completions whose last token ends none: cut at `max_new_tokens`), and
+    where the groups carry `function_rewards`, each named function's `rewards/<name>/mean` and `/std` over the
+    completions it scored (none scored: not logged). Groups [1, 1] and [0, 2] of one function `f`, every completion
+    ended by 2:
+
+    >>> groups = [{"rewards": [1.0, 1.0], "completions": [[7, 2], [2]], "function_rewards": [[1.0], [1.0]]},
+    ...           {"rewards": [0.0, 2.0], "completions": [[2], [8, 2]], "function_rewards": [[0.0], [2.0]]}]
+    >>> {name: round(value, 4) for name, value in round_stats(groups, ends=[2], names=["f"]).items()}
+    {'reward': 1.0, 'reward_std': 0.8165, 'frac_reward_zero_std': 0.5, 'clipped_ratio': 0.0, 'rewards/f/mean': 1.0, \
+'rewards/f/std': 0.8165}
+    """
+    rewards = np.array([r for group in groups for r in group["rewards"]], dtype=np.float64)
+    uniform = [max(group["rewards"]) == min(group["rewards"]) for group in groups]  # all equal: zero std
+    truncated = [completion[-1] not in ends for group in groups for completion in group["completions"]]
+    stats = {"reward": float(np.mean(rewards)), "reward_std": _std(rewards),
+             "frac_reward_zero_std": float(np.mean(uniform)), "clipped_ratio": float(np.mean(truncated))}  # fmt: skip
+    if names and groups and all("function_rewards" in group for group in groups):
+        table = np.array([r for group in groups for r in group["function_rewards"]], dtype=np.float64)  # (C, F)
+        for name, column in zip(names, table.T):
+            scored = column[~np.isnan(column)]
+            if len(scored):
+                stats[f"rewards/{name}/mean"], stats[f"rewards/{name}/std"] = float(scored.mean()), _std(scored)
+    return stats
+
+
+def trainer_logps(model, packs: list[list[dict]], collate: Callable, temperature: float, context: Callable,
+                  to_device: Callable) -> dict[int, list[float]]:  # fmt: skip
+    """Each group's completion-token log-probs (flat, by its item's `index`) under `model`'s forward as the training
+    step computes them (packs collated by `collate`, moved by `to_device`, the chunked head, logits /
+    `temperature`, under the trainer's precision `context()`), no gradient, in eval mode."""
+    from lit_packing.models.grpo import completion_logps
+    from lit_packing.models.head import head_inputs
+
+    found: dict[int, list[float]] = {}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), context():
+            for items in filter(None, packs):
+                batch = to_device(collate(items))
+                logps = completion_logps(head_inputs(model, batch), batch, temperature).logps.tolist()
+                start = 0
+                for item in items:
+                    n = int(sum(item[COMPLETION_TOKENS]))
+                    found[int(item[INDEX])] = [round(x, 6) for x in logps[start : start + n]]  # as the sampler's
+                    start += n
+    finally:
+        model.train(was_training)
+    return found

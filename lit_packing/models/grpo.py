@@ -5,14 +5,20 @@
     (parts.loss_sum / batch["step"]["label_tokens"]).backward()      # the step's units, counted by the plan
 
 A group is one prompt and its G completions (`GroupCollator`: the prompt run once, each completion attending to it
-and to itself). Per completion token t of completion i, with pi / old / ref the policy's, the behaviour policy's
-(the sampler's, from the data; else the policy's own, detached: on-policy) and the reference's log-probabilities,
-and A_i the completion's advantage:
+and to itself). Per completion token t of completion i, with pi / old / ref the policy's, the old policy's (the
+trainer's log-probs of the policy that sampled on an on-policy round; the behaviour log-probs of stored rollouts;
+else the policy's own, detached) and the reference's log-probabilities, and A_i the completion's advantage:
 
     ratio     r = exp(pi - old)  (token);  GSPO (`importance_sampling_level: sequence`): exp(mean_t (pi - old)) per i
     surrogate -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)            grpo, dr_grpo, dapo, bnpo, luspo
               -min(r, epsilon_high).detach() A pi                            cispo
+              x w, with `importance_sampling_correction` on an on-policy round (see `sampler_weights`)
     kl        beta r (exp(ref - pi) - (ref - pi) - 1)   added to each token's loss (k3, importance-corrected)
+
+Where the sampler is not the trainer (`generate` in another precision than the training forward, or another
+engine), the ratio is of the trainer's log-probs, so the sampler/trainer mismatch does not hide in it (a first step
+would clip what only the precision moved); the sampler's log-probs s enter as TRL's truncated importance weight
+(`vllm_importance_sampling_correction`, mode `token_truncate`): w = min(exp(old - s), cap) per token, detached.
 
 Normalisation (what `loss_sum` is divided by: `normalizer`, a total of the whole optimizer step):
 
@@ -80,6 +86,10 @@ class GRPOSettings:
             rounds are sampled at it).
         mask_truncated_completions: leave the completions that hit the generation limit without an end-of-sequence
             token out of the loss (on-policy rounds, which mark them).
+        importance_sampling_correction: on an on-policy round, weight each token's policy loss by the truncated
+            importance weight of the trainer over the sampler (`sampler_weights`; TRL's
+            `vllm_importance_sampling_correction` in mode `token_truncate`).
+        importance_sampling_cap: the weight's upper bound (TRL's `vllm_importance_sampling_clip_max`).
     """
 
     loss_type: LossType = "dapo"
@@ -92,6 +102,8 @@ class GRPOSettings:
     scale_rewards: Literal["group", "batch", "none"] = "group"
     temperature: float = 1.0
     mask_truncated_completions: bool = False
+    importance_sampling_correction: bool = True
+    importance_sampling_cap: float = 3.0
 
     def __post_init__(self) -> None:
         choices = {"loss_type": LOSS_TYPES, "importance_sampling_level": ("token", "sequence"),
@@ -102,6 +114,7 @@ class GRPOSettings:
         check_range("epsilon", self.epsilon, 0)
         check_range("beta", self.beta, 0)
         check_range("temperature", self.temperature, 0, low_open=True)
+        check_range("importance_sampling_cap", self.importance_sampling_cap, 0, low_open=True)
         if self.epsilon_high is not None:
             check_range("epsilon_high", self.epsilon_high, 0)
         if self.loss_type == "cispo" and self.epsilon_high is None:
@@ -225,6 +238,16 @@ def batch_advantages(rewards: torch.Tensor, groups: torch.Tensor, settings: GRPO
     return centred / (rewards.std() + STD_EPS)
 
 
+def sampler_weights(old: torch.Tensor, sampler: torch.Tensor, cap: float) -> torch.Tensor:
+    """Each token's truncated importance weight (N,) of the trainer's log-probs `old` over the sampler's
+    `sampler`: min(exp(old - sampler), cap), no gradient (TRL's `vllm_importance_sampling_mode: token_truncate`).
+
+    >>> sampler_weights(torch.tensor([-1.0, -1.0, -3.0]), torch.tensor([-1.0, -2.0, -1.0]), cap=2.0)
+    tensor([1.0000, 2.0000, 0.1353])
+    """
+    return (old.detach() - sampler.to(old.dtype)).exp().clamp(max=cap)
+
+
 def grpo_loss(
     policy: CompletionLogps,
     advantages: torch.Tensor,
@@ -233,6 +256,7 @@ def grpo_loss(
     reference: torch.Tensor | None = None,
     per_token: bool = False,
     trained: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> GRPOParts:
     """The micro-batch's loss sum and metric sums (see the module docstring).
 
@@ -240,9 +264,13 @@ def grpo_loss(
         policy: the policy's completion-token log-probs (with gradient).
         advantages: (C,) one per completion, or with `per_token` (N,) one per completion token.
         settings: the loss's settings.
-        behaviour: (N,) the behaviour policy's log-probs per completion token; None: on-policy (ratio 1).
+        behaviour: (N,) the old policy's log-probs per completion token (the ratio's denominator); None: the
+            policy's own, detached (ratio 1).
         reference: (N,) the reference's log-probs per completion token (needed when `beta` > 0).
         trained: (C,) bool, the completions the loss trains (`mask_truncated_completions`); None: all of them.
+        weights: (N,) each token's importance weight of the trainer over the sampler (`sampler_weights`),
+            multiplying its policy loss (not the KL); logged as `sampling/importance_sampling_ratio/mean` (TRL's
+            name). None: 1.
     """
     if settings.beta and reference is None:
         raise ConfigError("beta", "a KL to the reference needs the reference's log-probs", "set it to 0 or give them")
@@ -259,6 +287,8 @@ def grpo_loss(
     advantages = advantages.to(pi.dtype) if per_token else advantages.to(pi.dtype)[which]
     losses, clipped = _surrogate(ratio, advantages, pi, settings)
     n_tokens = kept.double().sum()
+    if weights is not None:  # TRL: the policy loss times the weight, before the KL is added
+        losses = losses * weights.detach().to(pi.dtype)
     completions = torch.tensor(float(count), dtype=torch.float64, device=pi.device)
     metrics = {  # clip fractions over tokens, or (GSPO) over completions (a masked one: never clipped), as TRL's
         name: ((per_completion((mask & kept).to(pi.dtype)) > 0).double().sum(), completions) if sequence
@@ -266,6 +296,9 @@ def grpo_loss(
         for name, mask in clipped.items()
     }  # fmt: skip
     metrics["entropy"] = (policy.entropy.double().masked_fill(~kept, 0).sum(), n_tokens)
+    if weights is not None:
+        weight_sum = weights.detach().double().masked_fill(~kept, 0).sum()
+        metrics["sampling/importance_sampling_ratio/mean"] = (weight_sum, n_tokens)
     if settings.beta:
         delta = reference.to(pi.dtype) - pi
         kl = (delta.exp() - delta - 1) * ratio  # importance-corrected, as TRL's default (use_bias_correction_kl)

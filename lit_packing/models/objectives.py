@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from lit_packing._compat import attached_trainer
 from lit_packing.batch import (
     ADVANTAGES,
     BEHAVIOUR_LOGPS,
@@ -32,8 +33,15 @@ from lit_packing.batch import (
     ROUND,
     TOKEN_ADVANTAGES,
 )
-from lit_packing.errors import ConfigError, DataError, TrainingError
-from lit_packing.models.grpo import GRPOSettings, batch_advantages, completion_logps, group_advantages, grpo_loss
+from lit_packing.errors import ConfigError, DataError, TrainingError, check_range
+from lit_packing.models.grpo import (
+    GRPOSettings,
+    batch_advantages,
+    completion_logps,
+    group_advantages,
+    grpo_loss,
+    sampler_weights,
+)
 from lit_packing.models.loss import LossNormalization, LossParts, causal_lm_loss, eval_sums
 from lit_packing.models.preference import (
     PreferenceSettings,
@@ -46,7 +54,16 @@ from lit_packing.models.reference import reference_forward, reference_logps
 
 REFERENCES = ("precomputed", "copy", "lora")  # model.reference: where an objective takes reference log-probs from
 FULL_PRECISION = ("32-true", "64-true", "32", "64")  # where the sampler's and the trainer's log-probs agree to rounding
-SAMPLER_TOLERANCE = 1e-3  # the largest mean |log-prob difference| per token on an on-policy round's first step
+# The largest mean |log-prob difference| per token between the sampler and the training forward on an on-policy
+# round's first step, by the precision's first word: rounding at full precision (1e-7 measured in fp32), the
+# precision's own error in half precision (0.030 measured: SmolLM2-135M sampling in fp32, training in bf16-mixed;
+# fp16 keeps 3 bits more): a sampler that tokenizes or computes otherwise is off by whole nats where it errs.
+SAMPLER_TOLERANCE = {"64": 1e-3, "32": 1e-3, "16": 0.05, "bf16": 0.1}
+
+
+def sampler_tolerance(precision: str) -> float:
+    """The self-test's tolerance at a trainer's `precision` (`bf16-mixed` -> bf16's); an unknown one: bf16's."""
+    return SAMPLER_TOLERANCE.get(str(precision).split("-")[0], SAMPLER_TOLERANCE["bf16"])
 
 
 class Objective:
@@ -175,6 +192,14 @@ class GRPO(Objective):
     (`copy`) or the model with its adapter off (`lora`); on-policy rounds take `copy` or `lora`. Logs `train/reward`,
     `train/advantage`, `train/kl`, `train/entropy`, `train/completion_length` and the clip fractions.
 
+    On an on-policy round the ratio's old log-probs are the trainer's, of the policy that sampled: the training
+    forward's own (detached) on the round's first step, after it the round's no-grad pass (`batch["round"]
+    ["old_logps"]`, half precision) or the sampler's (full precision, where the first step's self-test holds the two
+    equal to rounding). The sampler's log-probs enter as the truncated importance weight
+    (`importance_sampling_correction`). The first step logs `train/sampler_logp_diff` (mean |difference| per token)
+    and `train/sampler_logp_diff_max` at every precision, and stops the run where the mean passes the precision's
+    tolerance (`SAMPLER_TOLERANCE`, or `sampler_tolerance`).
+
     Args:
         loss_type: grpo | dr_grpo | dapo | bnpo | cispo | luspo.
         epsilon: the ratio's lower clip (1 - epsilon).
@@ -189,6 +214,12 @@ class GRPO(Objective):
             sampled at it; stored rollouts' `behaviour_logps` must be of the same.
         mask_truncated_completions: leave the completions that stopped at `max_new_tokens` without an
             end-of-sequence token out of the loss (TRL's; on-policy rounds, whose batches mark them).
+        importance_sampling_correction: on-policy rounds: weight each token's policy loss by min(exp(trainer's
+            old log-prob - sampler's), `importance_sampling_cap`) (TRL's `vllm_importance_sampling_correction`, mode
+            `token_truncate`); 1 to rounding at full precision, where sampler and trainer agree.
+        importance_sampling_cap: the weight's bound (TRL's `vllm_importance_sampling_clip_max`, 3.0).
+        sampler_tolerance: the largest mean |log-prob difference| per token the first step of a round allows
+            between the sampler and the training forward; None: the precision's (`SAMPLER_TOLERANCE`).
     """
 
     eval_metrics = ()
@@ -205,13 +236,20 @@ class GRPO(Objective):
         scale_rewards: str = "group",
         temperature: float = 1.0,
         mask_truncated_completions: bool = False,
+        importance_sampling_correction: bool = True,
+        importance_sampling_cap: float = 3.0,
+        sampler_tolerance: float | None = None,
     ) -> None:
         self.settings = GRPOSettings(loss_type, epsilon, epsilon_high, beta, importance_sampling_level,
                                      max_completion_length, advantages, scale_rewards, temperature,
-                                     mask_truncated_completions)  # fmt: skip
+                                     mask_truncated_completions, importance_sampling_correction,
+                                     importance_sampling_cap)  # fmt: skip
+        check_range("sampler_tolerance", sampler_tolerance, 0, low_open=True)
+        self.sampler_tolerance = sampler_tolerance
         self.normalizer = self.settings.normalizer
         self.needs_reference = beta > 0
         self.temperature = temperature
+        self._largest: tuple[int, torch.Tensor] | None = None  # (step, this rank's largest sampler difference on it)
 
     def parts(self, lm, batch, stage: str = "train"):
         """The loss parts of a group batch, the completions' advantages, and the policy's distance from the sampler
@@ -234,21 +272,39 @@ class GRPO(Objective):
             raise DataError("a micro-batch holds groups scored by different columns (rewards, advantages, "
                             "token_advantages): give every group of the data the same one")  # fmt: skip
         behaviour = batch[BEHAVIOUR_LOGPS].to(device) if BEHAVIOUR_LOGPS in batch else None
+        old, weights, difference = self.old_logps(policy.logps, behaviour, batch.get(ROUND))
         reference = None
         if self.needs_reference and lm.precomputed is not None:
             reference = lm.precomputed.lookup_groups(stage, batch, policy)
         elif self.needs_reference:
             reference = reference_forward(lm, batch, lambda outputs, b: completion_logps(outputs, b, temperature).logps)
         trained = self.trained_completions(batch, device)
-        parts = grpo_loss(policy, advantages, self.settings, behaviour, reference, TOKEN_ADVANTAGES in batch, trained)
-        # On the first step of an on-policy round the policy that sampled trains: its log-probs must be the
-        # sampler's (ratio 1). (sum |difference|, tokens) there, (0, 0) elsewhere: every micro-batch has the metric.
-        zero = policy.logps.new_zeros((), dtype=torch.float64)
-        mismatch = (zero, zero)
-        if behaviour is not None and batch.get(ROUND, {}).get("on_policy"):
-            difference = (policy.logps.detach() - behaviour.to(policy.logps)).abs().double()
-            mismatch = (difference.sum(), zero + len(difference))
-        return parts, advantages, mismatch
+        per_token = TOKEN_ADVANTAGES in batch
+        parts = grpo_loss(policy, advantages, self.settings, old, reference, per_token, trained, weights)
+        return parts, advantages, difference
+
+    def old_logps(
+        self, logps: torch.Tensor, sampler: torch.Tensor | None, round_: Mapping[str, Any] | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The ratio's old log-probs (N,) (None: the policy's own, detached), the sampler's importance weights (N,)
+        or None, and on a round's first step |trainer - sampler| per token (N,) for the self-test (else None).
+
+        Stored rollouts: the data's behaviour log-probs, no weight. An on-policy round (`round_`, with the sampler's
+        log-probs): the trainer's of the policy that sampled, the sampler's in the weight."""
+        if round_ is None or sampler is None:
+            return sampler, None, None
+        difference = None
+        if round_.get("on_policy"):  # the policy that sampled trains: its own forward is the trainer's
+            old = logps.detach()
+            difference = (old - sampler.to(old.dtype)).abs().double()
+        elif round_.get("old_logps") is not None:  # the round's no-grad pass, before its first step
+            old = torch.as_tensor(round_["old_logps"], dtype=logps.dtype, device=logps.device)
+        else:  # full precision: the sampler's are the trainer's to rounding (the first step checked it)
+            return sampler, None, None
+        weights = None
+        if self.settings.importance_sampling_correction:
+            weights = sampler_weights(old, sampler, self.settings.importance_sampling_cap)
+        return old, weights, difference
 
     def trained_completions(self, batch, device: torch.device) -> torch.Tensor | None:
         """(C,) bool, the completions the loss trains with `mask_truncated_completions` (those that ended with an
@@ -263,13 +319,23 @@ class GRPO(Objective):
         return ~torch.tensor(truncated, dtype=torch.bool, device=device)
 
     def loss(self, lm, batch):
-        parts, advantages, mismatch = self.parts(lm, batch)
+        parts, advantages, difference = self.parts(lm, batch)
         metrics = dict(parts.metrics)
         completions = parts.metrics["completion_length"][1]
         if REWARDS in batch:
             metrics["reward"] = (batch[REWARDS].to(completions.device).double().sum(), completions)
         metrics["advantage"] = (advantages.detach().double().sum(), completions)
-        metrics["sampler_logp_diff"] = mismatch
+        # (sum, count) of the on-policy metrics, (0, 0) where a micro-batch has none (an empty pack, stored
+        # rollouts), last: every micro-batch on every rank names the same metrics in one order, which the step
+        # reduces as one vector
+        zero = completions.new_zeros(())
+        metrics["sampling/importance_sampling_ratio/mean"] = metrics.pop("sampling/importance_sampling_ratio/mean",
+                                                                         (zero, zero))  # fmt: skip
+        metrics["sampler_logp_diff"] = (zero, zero)
+        if difference is not None:
+            metrics["sampler_logp_diff"] = (difference.sum(), zero + len(difference))
+            if len(difference):
+                self._keep_largest(lm, difference.max())
         loss = parts.loss_sum
         return LossParts(loss, parts.units, loss.detach(), parts.units.detach()), metrics
 
@@ -288,19 +354,39 @@ class GRPO(Objective):
         ends = torch.tensor([len(row["rewards"]) for row in rows]).cumsum(0).tolist()
         return [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
 
+    def _keep_largest(self, lm, largest: torch.Tensor) -> None:
+        """This rank's largest |trainer - sampler| of the step so far (a tensor: no device sync)."""
+        trainer = attached_trainer(lm)
+        step = trainer.global_step if trainer is not None else -1
+        if self._largest is not None and self._largest[0] == step:
+            largest = torch.maximum(self._largest[1], largest)
+        self._largest = (step, largest)
+
     def check_step(self, lm, metrics):
-        """The first-step self-test of on-policy rounds: where the round's sampler trains (fp32 or fp64), the mean
-        |log-prob difference| between the training forward and the sampler must be rounding (`SAMPLER_TOLERANCE`)."""
+        """The first-step self-test of on-policy rounds: logs the largest |log-prob difference| of the step's tokens
+        over every rank (`train/sampler_logp_diff_max`), and stops the run where the mean (`sampler_logp_diff`)
+        passes the precision's tolerance. The metrics are the same on every rank: all reduce, all stop."""
         diff = metrics.get("sampler_logp_diff")
-        precision = str(lm.trainer.precision)
-        if diff is None or not math.isfinite(diff) or precision not in FULL_PRECISION or diff <= SAMPLER_TOLERANCE:
+        if diff is None:
+            return
+        trainer = lm.trainer
+        step = trainer.global_step
+        largest = self._largest[1] if self._largest is not None and self._largest[0] == step else None
+        largest = torch.zeros((), dtype=torch.float64, device=lm.device) if largest is None else largest
+        if trainer.world_size > 1:
+            largest = trainer.strategy.reduce(largest, reduce_op="max")
+        lm.log("train/sampler_logp_diff_max", largest.double(), on_step=True, on_epoch=False)
+        precision = str(trainer.precision)
+        tolerance = self.sampler_tolerance or sampler_tolerance(precision)
+        if math.isfinite(diff) and diff <= tolerance:
             return
         raise TrainingError(
-            f"on-policy step {lm.trainer.global_step + 1}: the training forward scores the sampled tokens "
-            f"{diff:.2e} away from the log-probs they were sampled with (mean per token, allowed {SAMPLER_TOLERANCE}):"
-            " the sampler and the trained model disagree (a chat template or special tokens that tokenize otherwise"
-            " than they were sampled, or a model that computes otherwise with a KV cache); check model.attn_backend"
-            " and data.tokenizer"
+            f"on-policy step {step + 1}: the training forward scores the sampled tokens {diff:.2e} away from the "
+            f"log-probs they were sampled with (mean per token, {float(largest):.2e} at most; allowed {tolerance:g} "
+            f"at precision {precision}): the sampler and the trained model disagree (a chat template or special "
+            "tokens that tokenize otherwise than they were sampled, or a model that computes otherwise with a KV "
+            "cache); check model.attn_backend and data.tokenizer, or, where the difference is the precision's own, "
+            "raise model.objective.init_args.sampler_tolerance"
         )
 
 

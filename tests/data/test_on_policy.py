@@ -182,8 +182,9 @@ def test_a_sampler_that_disagrees_with_the_trained_model_stops_the_first_step(tm
     line = error_line(["fit", f"--model.name_or_path={model}", *COMMON, *source, "--trainer.max_steps=1",
                        f"--trainer.default_root_dir={tmp_path}"], capsys)  # fmt: skip
     assert re.fullmatch(
-        r"error: on-policy step 1: the training forward scores the sampled tokens 5\.00e-02 away .* "
-        r"check model\.attn_backend and data\.tokenizer",
+        r"error: on-policy step 1: the training forward scores the sampled tokens 5\.00e-02 away .*mean per token, "
+        r"5\.00e-02 at most; allowed 0\.001 at precision 32-true\): .* check model\.attn_backend and "
+        r"data\.tokenizer, or, .* raise model\.objective\.init_args\.sampler_tolerance",
         line,
     ), line
 
@@ -282,6 +283,8 @@ def test_two_ddp_ranks_each_sample_their_share_and_train_the_gathered_round(tmp_
         rows = [row for row in csv.DictReader(file) if row.get("train/loss")]
     assert [row["rollout/round"] for row in rows] == ["0.0", "1.0"]
     assert all(float(row["train/sampler_logp_diff"]) < 1e-5 for row in rows)
+    assert all(float(row["train/sampler_logp_diff_max"]) < 1e-5 for row in rows)  # the largest over both ranks
+    assert all(0 < float(row["rollout/generation_share"]) < 1 for row in rows)
 
 
 def test_a_reward_function_that_returns_none_skips_that_completion(tmp_path, monkeypatch, capsys):
@@ -306,6 +309,15 @@ def test_a_reward_function_that_returns_none_skips_that_completion(tmp_path, mon
     assert dropped > 0 and all(len(g["behaviour_logps"]) == len(g["completions"]) for g in groups)
     assert f"{dropped} of 8 completions were scored by no reward function" in capsys.readouterr().out
     assert float(rows[0]["rollout/reward"]) == pytest.approx(sum(rewards) / len(rewards))
+    # TRL's rollout metrics: each function's mean over what it scored (no_reward scored nothing: none logged), the
+    # std of the rewards, the share of groups whose rewards are all equal, the share of time making the round
+    assert float(rows[0]["rollout/rewards/odd_length/mean"]) == pytest.approx(sum(rewards) / len(rewards))
+    assert rows[0].get("rollout/rewards/no_reward/mean", "") == ""
+    std = float(torch.tensor(rewards, dtype=torch.float64).std()) if len(rewards) > 1 else 0.0
+    assert float(rows[0]["rollout/reward_std"]) == pytest.approx(std)
+    flat = [max(g["rewards"]) == min(g["rewards"]) for g in groups]
+    assert float(rows[0]["rollout/frac_reward_zero_std"]) == pytest.approx(sum(flat) / len(flat))
+    assert 0 < float(rows[0]["rollout/generation_share"]) < 1
 
     nothing = [*source[:-1], f"--data.source.init_args.reward_funcs=[{__name__}.no_reward]"]
     line = error_line(["fit", f"--model.name_or_path={model}", *COMMON, *nothing, "--trainer.max_steps=1",
@@ -338,3 +350,63 @@ def test_completions_that_hit_max_new_tokens_train_nothing_when_masked(tmp_path,
         assert float(row["rollout/clipped_ratio"]) == 1.0
         assert (float(row["train/loss"]) == 0.0) == mask and (row.get("train/entropy") in ("", None)) == mask
     assert moved[True] == 0.0 and moved[False] > 1e-4
+
+
+def test_a_half_precision_round_trains_past_its_first_step_against_the_trainers_log_probs(tmp_path, monkeypatch):
+    """bf16-mixed on a CPU: `generate` samples in fp32 and the training forward runs in bf16, so the two differ by
+    the precision: measured at the round's first step (mean and largest) and judged at bf16's tolerance, not skipped.
+    A round of two passes: one no-grad pass of the policy that sampled gives the trainer's log-probs of every group
+    before the first step (`old_logps`, kept in the round's file, the first step's own to rounding); both passes
+    weigh each token by min(exp(old - sampler), 3), the second with those old log-probs. The objective's metrics are
+    read as each step reduced them (Lightning repeats a metric's last value in the CSV on steps that do not log it)."""
+    from lit_packing.models import objectives
+
+    reduced, check = [], objectives.GRPO.check_step
+
+    def recorded(self, lm, metrics):
+        reduced.append(dict(metrics))
+        return check(self, lm, metrics)
+
+    monkeypatch.setattr(objectives.GRPO, "check_step", recorded)
+    monkeypatch.chdir(tmp_path)
+    model = saved_tiny(tmp_path)
+    source = ["--data.source=lit_packing.data.OnPolicyRollouts", "--data.source.init_args.prompts_per_round=2",
+              "--data.source.init_args.group_size=4", "--data.source.init_args.max_new_tokens=6",
+              "--data.source.init_args.iterations=2",
+              f"--data.source.init_args.reward_funcs=[{__name__}.length_reward]"]  # fmt: skip
+    root, rows = fit(tmp_path, "bf16", model, source, 2, "--trainer.precision=bf16-mixed")
+    groups = [json.loads(line) for line in (root / "rollouts" / "round_000000.jsonl").read_text().splitlines()]
+    assert all(list(map(len, g["old_logps"])) == list(map(len, g["completions"])) for g in groups)
+    old = torch.tensor([x for g in groups for c in g["old_logps"] for x in c], dtype=torch.float64)
+    sampler = torch.tensor([x for g in groups for c in g["behaviour_logps"] for x in c], dtype=torch.float64)
+    first, second = reduced
+    stored = 2e-6  # both stored to 6 decimals
+    assert 1e-4 < first["sampler_logp_diff"] < 0.1  # the precision's, inside bf16's tolerance
+    assert first["sampler_logp_diff"] == pytest.approx(float((old - sampler).abs().mean()), abs=stored)
+    assert float(rows[0]["train/sampler_logp_diff_max"]) == pytest.approx(float((old - sampler).abs().max()),
+                                                                          abs=stored)  # fmt: skip
+    assert "sampler_logp_diff" not in second  # the second pass: not the policy that sampled
+    weights = (old - sampler).exp().clamp(max=3.0)
+    for metrics in reduced:  # the second pass weighs too: it has the trainer's old log-probs, not the sampler's
+        assert metrics["sampling/importance_sampling_ratio/mean"] == pytest.approx(float(weights.mean()), abs=stored)
+
+
+@pytest.mark.slow  # three fits (~30 s)
+def test_a_half_precision_round_resumed_inside_reads_the_trainers_log_probs_back(tmp_path, monkeypatch):
+    """bf16-mixed, a round of two passes, stopped after its first step and resumed: the restored policy has moved,
+    so the second pass's old log-probs must be the ones the round's file kept, not a new pass: the resumed step's
+    loss and weights are the uninterrupted run's."""
+    monkeypatch.chdir(tmp_path)
+    model = saved_tiny(tmp_path)
+    source = ["--data.source=lit_packing.data.OnPolicyRollouts", "--data.source.init_args.prompts_per_round=2",
+              "--data.source.init_args.group_size=4", "--data.source.init_args.max_new_tokens=6",
+              "--data.source.init_args.iterations=2", "--trainer.precision=bf16-mixed",
+              f"--data.source.init_args.reward_funcs=[{__name__}.length_reward]"]  # fmt: skip
+    whole, rows = fit(tmp_path, "whole", model, source, 2)
+    first, _ = fit(tmp_path, "resumed", model, source, 1)
+    again, resumed = fit(tmp_path, "resumed", model, source, 2, "--ckpt_path=last")
+    assert again == first
+    name = "rollouts/round_000000.jsonl"
+    assert (first / name).read_text() == (whole / name).read_text() and "old_logps" in (whole / name).read_text()
+    for metric in ("train/loss", "train/sampling/importance_sampling_ratio/mean", "train/entropy"):
+        assert float(resumed[-1][metric]) == pytest.approx(float(rows[-1][metric]), rel=1e-6), metric

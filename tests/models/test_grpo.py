@@ -18,6 +18,7 @@ from lit_packing.data.groups import GroupCollator
 from lit_packing.errors import ConfigError, DataError
 from lit_packing.models.grpo import (
     LOSS_TYPES,
+    CompletionLogps,
     GRPOSettings,
     batch_advantages,
     completion_logps,
@@ -270,6 +271,7 @@ def test_on_policy_ratios_are_one_and_nothing_clips():
         ({"loss_type": "dr_grpo"}, "max_completion_length: dr_grpo divides by G x the generation limit"),
         ({"loss_type": "ppo"}, "loss_type: 'ppo' is not a choice"),
         ({"beta": -1.0}, "beta: must be >= 0"),
+        ({"importance_sampling_cap": 0.0}, "importance_sampling_cap: must be > 0"),
     ],
 )
 def test_bad_settings_are_refused_in_one_line(kwargs, message):
@@ -435,3 +437,185 @@ def test_masking_truncated_completions_needs_an_on_policy_round():
     group = {"input_ids": [5, 6, 7, 8, 9], "completion_tokens": [2, 1], "rewards": [1.0, 0.0]}
     with pytest.raises(ConfigError, match=r"^mask_truncated_completions: stored rollouts do not mark the .* set it "):
         lm.objective.loss(lm, GroupCollator()(Pack([group], step=step_totals([3]))))
+
+
+# Groups of one size, as TRL's generation batch needs (G = 3), prompts of one length (see ORACLE_SHAPES).
+EQUAL_GROUPS = [(5, [4, 1, 6]), (5, [2, 9, 3]), (5, [3, 3, 5])]
+
+
+def sampler_moved(model, groups, seed=2, spread=3.0):
+    """Each group with the sampler's log-probs: the model's own, moved by up to +-spread/2 a token (weights
+    exp(old - sampler) from 0.2 to 4.5: some over the cap of 3, some under 1), fp32 values: TRL reads the sampler's
+    log-probs into a float32 tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        own = logps_of(model, GroupCollator()(groups)).logps
+    moved = (own + (torch.rand(own.shape, generator=gen, dtype=own.dtype) - 0.5) * spread).float().double()
+    out, start = [], 0
+    for group in groups:
+        n = sum(group["completion_tokens"])
+        out.append({**group, BEHAVIOUR_LOGPS: moved[start : start + n].tolist()})
+        start += n
+    return out
+
+
+def trl_rows(groups, key):
+    """Per completion (a TRL row): its prompt's ids, its ids, or its tokens' values of `key` (flat per group)."""
+    rows = []
+    for group in groups:
+        ids, sizes = group["input_ids"], group["completion_tokens"]
+        prompt = len(ids) - sum(sizes)
+        start = 0
+        for size in sizes:
+            rows.append({"prompt": ids[:prompt], "completion": ids[prompt + start : prompt + start + size],
+                         "values": group[key][start : start + size] if key else None})  # fmt: skip
+            start += size
+    return rows
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04], ids=["no_kl", "kl"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo"])
+def test_the_sampler_weight_and_the_first_steps_loss_are_trls_on_its_generation_batch(loss_type, beta):
+    """fp64, a round's first step, correction on: the completions and the sampler's log-probs handed to TRL's
+    generation batch as vLLM hands them. TRL's old log-probs (its no-grad forward of the policy) are the training
+    forward's own; its truncated weights are `sampler_weights`' (some at the cap, some under 1); the first step's loss
+    and every gradient equal TRL's `compute_loss` (the KL not weighted), and so do the logged mean and largest
+    |trainer - sampler| and the weights' mean."""
+    from lit_packing.models import GRPO
+    from tests.helpers.trl_generation import trl_generation_batch
+
+    policy = packed_model(CONFIG, seed=0).double()
+    reference = packed_model(CONFIG, seed=1).double().eval() if beta else None
+    trl_model = tiny_model(CONFIG, seed=0).double()
+    groups = sampler_moved(policy, make_groups(EQUAL_GROUPS))
+    rows = trl_rows(groups, BEHAVIOUR_LOGPS)
+    width = max(len(row["completion"]) for row in rows)
+    ref = None
+    if beta:
+        with torch.no_grad():
+            ref = _as_padded(logps_of(reference, GroupCollator(share_prompt=False)(groups)).logps, groups, width)
+    high = 1.1 if loss_type == "cispo" else 0.28
+    out, trl_loss, trl_metrics = trl_generation_batch(
+        trl_model, [r["prompt"] for r in rows], [r["completion"] for r in rows], [r["values"] for r in rows],
+        {"length": lambda prompts, completions, **kw: [float(len(c) % 3) for c in completions]}, group_size=3,
+        cap=3.0, loss_type=loss_type, beta=beta, ref_per_token_logps=ref, epsilon=0.2, epsilon_high=high,
+    )  # fmt: skip
+    trl_loss.backward()
+    mask = out["completion_mask"].bool()
+
+    objective = GRPO(loss_type, epsilon_high=high, beta=beta, importance_sampling_cap=3.0)
+    [batch] = attach_step([GroupCollator()(groups)])
+    policy.zero_grad()
+    logps = logps_of(policy, batch)
+    old, weights, difference = objective.old_logps(logps.logps, batch[BEHAVIOUR_LOGPS], {"on_policy": True})
+    torch.testing.assert_close(old, out["old_per_token_logps"][mask], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(weights, out["importance_sampling_ratio"][mask], rtol=1e-10, atol=1e-12)
+    assert (weights == 3.0).any() and (weights < 1).any()  # the cap and the other side both in play
+    advantages = out["advantages"].double()  # TRL's, from its float32 rewards: the loss is compared, not them
+    parts = grpo_loss(logps, advantages, objective.settings, old,
+                      logps_of(reference, batch).logps.detach() if beta else None, weights=weights)  # fmt: skip
+    ours = parts.loss_sum / batch[STEP][objective.normalizer]
+    ours.backward()
+    assert float(ours.detach()) == pytest.approx(float(trl_loss), rel=1e-10, abs=1e-13)
+    assert_grads_close({n: p.grad for n, p in policy.named_parameters() if p.grad is not None},
+                       {n: p.grad for n, p in trl_model.named_parameters() if p.grad is not None}, True)  # fmt: skip
+    assert float(difference.mean()) == pytest.approx(trl_metrics["sampling/sampling_logp_difference/mean"], rel=1e-10)
+    assert float(difference.max()) == pytest.approx(trl_metrics["sampling/sampling_logp_difference/max"], rel=1e-10)
+    total, count = parts.metrics["sampling/importance_sampling_ratio/mean"]
+    assert float(total / count) == pytest.approx(trl_metrics["sampling/importance_sampling_ratio/mean"], rel=1e-10)
+
+
+def test_the_old_log_probs_are_the_trainers_and_the_sampler_enters_as_a_weight():
+    """`GRPO.old_logps` on each kind of batch, exact: stored rollouts take the data's behaviour log-probs as they
+    are; a round's first step the training forward's own (detached), weighted by min(exp(old - sampler), cap); a
+    later step of a half-precision round the round's pass (`old_logps`); a later step at full precision the
+    sampler's, which are the trainer's to rounding (no weight); correction off, no weight anywhere."""
+    from lit_packing.models import GRPO
+
+    logps = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64, requires_grad=True)
+    sampler = torch.tensor([-1.0, -3.5, -0.25], dtype=torch.float64)
+    weighted = GRPO(importance_sampling_cap=3.0)
+    old, weights, difference = weighted.old_logps(logps, sampler, None)  # stored rollouts
+    assert old is sampler and weights is None and difference is None
+    old, weights, difference = weighted.old_logps(logps, sampler, {"on_policy": True})
+    assert torch.equal(old, logps.detach()) and not old.requires_grad
+    torch.testing.assert_close(weights, torch.tensor([1.0, 3.0, torch.e**-0.25], dtype=torch.float64))  # e^1.5 capped
+    torch.testing.assert_close(difference, torch.tensor([0.0, 1.5, 0.25], dtype=torch.float64))
+    old, weights, difference = weighted.old_logps(logps, sampler, {"on_policy": False, "old_logps": [-1.5, -3, 0]})
+    torch.testing.assert_close(old, torch.tensor([-1.5, -3.0, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(weights, torch.tensor([torch.e**-0.5, torch.e**0.5, torch.e**0.25], dtype=torch.float64))
+    assert difference is None
+    old, weights, difference = weighted.old_logps(logps, sampler, {"on_policy": False})
+    assert old is sampler and weights is None and difference is None
+    unweighted = GRPO(importance_sampling_correction=False)
+    old, weights, difference = unweighted.old_logps(logps, sampler, {"on_policy": True})
+    assert torch.equal(old, logps.detach()) and weights is None and difference is not None
+
+
+def test_the_weight_scales_each_tokens_policy_loss_not_its_kl():
+    """dapo, one completion of 2 tokens on its first step (ratio 1, advantage 1): the loss is -sum_t w_t + beta
+    sum_t k3_t, and the gradient of the policy term w_t times the plain one."""
+    settings = GRPOSettings("dapo", beta=0.5)
+    pi = torch.tensor([-1.0, -2.0], dtype=torch.float64, requires_grad=True)
+    policy = CompletionLogps(pi, torch.zeros(2, dtype=torch.float64), torch.tensor([0, 0]), 1)
+    reference = torch.tensor([-1.5, -2.0], dtype=torch.float64)
+    weights = torch.tensor([2.0, 0.5], dtype=torch.float64)
+    parts = grpo_loss(policy, torch.tensor([1.0], dtype=torch.float64), settings, None, reference, weights=weights)
+    k3 = (reference - pi).exp() - (reference - pi) - 1
+    assert float(parts.loss_sum) == pytest.approx(float(-(weights.sum()) + 0.5 * k3.sum()), rel=1e-15)
+    parts.loss_sum.backward()
+    d_k3 = 0.5 * (1 - (reference - pi.detach()).exp() + k3.detach())  # d(k3 * ratio)/dpi at ratio 1
+    torch.testing.assert_close(pi.grad, -weights + d_k3)
+    assert parts.metrics["sampling/importance_sampling_ratio/mean"][0] == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize(
+    ("precision", "passes", "stops"),
+    [("32-true", 9e-4, 2e-3), ("64-true", 9e-4, 2e-3), ("bf16-mixed", 0.09, 0.11), ("bf16-true", 0.09, 0.11),
+     ("16-mixed", 0.04, 0.06)],
+)  # fmt: skip
+def test_the_self_test_judges_the_mean_difference_at_the_precisions_tolerance(precision, passes, stops):
+    """`GRPO.check_step` on a round's first step, at every precision: the largest difference of the step is logged,
+    the mean is judged against the precision's tolerance (never skipped), and `sampler_tolerance` overrides it."""
+    from types import SimpleNamespace
+
+    from lit_packing.errors import TrainingError
+    from lit_packing.models import GRPO, objectives
+
+    logged = {}
+    trainer = SimpleNamespace(global_step=4, world_size=1, precision=precision)
+    log = lambda name, value, **kw: logged.update({name: float(value)})  # noqa: E731
+    lm = SimpleNamespace(trainer=trainer, _trainer=trainer, device=torch.device("cpu"), log=log)  # as Lightning's
+    objective = GRPO()
+    objective._keep_largest(lm, torch.tensor(0.75, dtype=torch.float64))
+    objective.check_step(lm, {"sampler_logp_diff": passes})
+    assert logged == {"train/sampler_logp_diff_max": 0.75}
+    with pytest.raises(TrainingError) as stopped:
+        objective.check_step(lm, {"sampler_logp_diff": stops})
+    message = str(stopped.value)
+    assert f"on-policy step 5: the training forward scores the sampled tokens {stops:.2e} away" in message
+    assert f"7.50e-01 at most; allowed {objectives.sampler_tolerance(precision):g} at precision {precision}" in message
+    assert message.endswith("raise model.objective.init_args.sampler_tolerance") and "\n" not in message
+    GRPO(sampler_tolerance=2 * stops).check_step(lm, {"sampler_logp_diff": stops})
+    GRPO().check_step(lm, {"reward": 1.0})  # not a round's first step: nothing judged, nothing logged
+    assert logged == {"train/sampler_logp_diff_max": 0.0}  # a new objective: nothing kept for this step
+
+
+def test_every_micro_batch_names_the_same_metrics_on_policy_or_not():
+    """The step sums its micro-batches' metrics as one vector, all-reduced over the ranks: stored rollouts, a round's
+    first step, a later step and an empty pack (a rank with no group in the step) name the same metrics, in one
+    order (the on-policy ones (0, 0) where a batch has none)."""
+    from lit_packing.batch import ROUND
+    from lit_packing.models import GRPO, PackedCausalLM
+
+    lm = PackedCausalLM(model_config=CONFIG, objective=GRPO(), memory_check=False)
+    groups = with_behaviour(packed_model(CONFIG, seed=0), make_groups())
+    [batch] = attach_step([GroupCollator()(groups)])
+    [empty] = attach_step([GroupCollator()(Pack([], step=batch[STEP]))])
+    flags = truncated_flags(groups)
+    batches = [batch, {**batch, ROUND: {"on_policy": True, "truncated": flags}},
+               {**batch, ROUND: {"on_policy": False, "truncated": flags}},
+               {**empty, ROUND: {"on_policy": True, "truncated": []}}]  # fmt: skip
+    named = [list(lm.objective.loss(lm, b)[1]) for b in batches]
+    assert all(names == named[0] for names in named), named
+    assert {"sampler_logp_diff", "sampling/importance_sampling_ratio/mean"} <= set(named[0])
