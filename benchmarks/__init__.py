@@ -11,5 +11,6 @@ the `bench` extra: `pip install -e ".[bench]"` in the checkout), `report.py` tur
 targets and the plot; `common.py` holds what they share (starting a benchmark module in a child process, the step
 clock, peak memory), so that no two benchmark modules import each other. The focused measurements live here too, each
 `python -m benchmarks.<name> --help`: `loss_parity`, `loss_memory`, `auto_budget`, `attention_throughput`,
-`compile_speed`, `packing_speed`, `stream_fill`, `stream_pipeline`, `cache_check`, `plot_metrics`.
+`compile_speed`, `packing_speed`, `stream_fill`, `stream_pipeline`, `cache_check`, `plot_metrics`, `grpo_throughput`
+(the GRPO step against TRL's `GRPOTrainer`, like for like).
 """

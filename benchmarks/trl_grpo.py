@@ -19,6 +19,9 @@ What the construction would otherwise do differently, and how it is handled:
 - `self.model.training` picks the "train"/"eval" branch: the model is put in `train()` mode (`training=True`) for the
   call and its mode restored after.
 
+`completion_only_head()` makes that head score the completion tokens only on any device, as it does on CUDA (see its
+docstring): a throughput comparison on a CPU runs TRL's GPU layout, not its CPU fallback.
+
 Precision: TRL's fused LM head (`trl.kernels.ChunkedLogProbFunction`) does the log-sum-exp in float32 (`tile.float()`),
 whatever the model's dtype, so with a float64 model TRL's per-token log-probs, entropies and the gradient through them
 carry float32 rounding (~1e-7 relative). `full_precision_logps=True` swaps only `_get_per_token_logps_and_entropies`
@@ -33,6 +36,7 @@ import functools
 import logging
 import random
 import tempfile
+import unittest.mock
 import warnings
 from typing import Any
 
@@ -85,6 +89,23 @@ def _preserved(model: torch.nn.Module):
         for config, pad_id in pad_ids:
             config.pad_token_id = pad_id
         model.train(training)
+
+
+@contextlib.contextmanager
+def completion_only_head():
+    """TRL's fused LM head as it runs on CUDA, on any device: it projects the completion tokens only.
+
+    `add_fused_lm_head`'s forward (TRL 1.16, `trl/trainer/utils.py`) projects only the positions with a label
+    (`hidden_states[mask]`, scattered back with `masked_scatter`) where `_use_triton(device)` holds (CUDA and XPU with
+    Triton); elsewhere it projects every position, prompt and padding included (fixed tile shapes for Neuron's
+    compiler), and zeroes them after. On a CPU that is (B x (P + C - 1)) / (completion tokens) times the head's GPU
+    work. Inside this context the head takes the compact branch; how the kernel folds a tile (Triton or torch) is its
+    own `trl.kernels.chunked_logprob._use_triton`'s choice, untouched. Raises AttributeError if TRL moves the name.
+    """
+    import trl.trainer.utils as trl_utils
+
+    with unittest.mock.patch.object(trl_utils, "_use_triton", lambda device: True):
+        yield
 
 
 def build_trl_grpo_trainer(
