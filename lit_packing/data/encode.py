@@ -31,32 +31,25 @@ from lit_packing.batch import (
     TRUNCATED_TOKENS,
 )
 from lit_packing.data.shapes import (
-    CHAT,
-    GROUP,
+    DROPPED,
+    GROUP_OUTPUTS,
+    LABEL_TOKENS,
+    LENGTH,
     LINE,
-    PREFERENCE,
+    NO_GROUP,
     PROBLEM,
-    PROMPT_COMPLETION,
+    ExampleShape,
     as_messages,
-    example_problem,
+    shape_named,
 )
 from lit_packing.errors import ConfigError
 
 # Columns of the tokenized table besides the keys an example carries into a batch (`lit_packing.batch`: input_ids,
-# labels, index, truncated_tokens).
-LENGTH = "length"
+# labels, index, truncated_tokens) and the ones its shape's fit writes (`lit_packing.data.shapes`: length, ...).
 ROW = "row"  # the example's row as the user counts it: its line in a JSON Lines file, else its source row
 TOKEN_HASH = "token_hash"  # 64-bit XXH3 of the token ids: equal for duplicate examples
-LABEL_TOKENS = "label_tokens"  # trained tokens of the example (labels != -100, its first label masked)
-DROPPED = "dropped"  # "", "bad", "overlong" or "no_labels"
-# A preference pair is one row: its chosen sequence's `chosen_tokens` tokens, then its rejected one's (0: not a pair).
-# A rollout group is one row: its prompt's tokens once, then each completion's (`completion_tokens` of them), with a
-# reward (or advantage) per completion or an advantage per completion token and, when the data has them, the
-# behaviour log-probs of every completion token (the per-token ones flat; empty lists in every other row).
-GROUP_OUTPUTS = [COMPLETION_TOKENS, REWARDS, ADVANTAGES, TOKEN_ADVANTAGES, BEHAVIOUR_LOGPS]
 OUTPUT_COLUMNS = [INPUT_IDS, LABELS, LENGTH, TRUNCATED_TOKENS, INDEX, LABEL_TOKENS, ROW, TOKEN_HASH, CHOSEN_TOKENS,
                   *GROUP_OUTPUTS]  # fmt: skip
-NO_GROUP = {name: [] for name in GROUP_OUTPUTS}
 
 FEATURES = Features(
     {
@@ -111,9 +104,9 @@ def bos_prefix(tokenizer) -> list[int]:
 class Encoder:
     """Turns one batch of examples of one shape into (ids, labels) lists; holds what every batch reuses."""
 
-    def __init__(self, tokenizer, shape: str, template: str, train_on: str) -> None:
+    def __init__(self, tokenizer, shape: ExampleShape | str, template: str, train_on: str) -> None:
         self.tokenizer = tokenizer
-        self.shape = shape
+        self.shape = shape_named(shape) if isinstance(shape, str) else shape
         self.template = template
         self.train_on = train_on
         self.bos = bos_prefix(tokenizer)
@@ -121,7 +114,7 @@ class Encoder:
         special = set(tokenizer.all_special_ids)
         special |= {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
         self.special_ids = np.array(sorted(special), dtype=np.int64)
-        if shape not in (CHAT, PREFERENCE, GROUP) and self.eos is None:
+        if not self.shape.chat and self.eos is None:
             raise ConfigError(
                 "data.tokenizer",
                 f"{tokenizer.name_or_path!r} has no eos_token to end {shape} examples with",
@@ -129,11 +122,8 @@ class Encoder:
             )
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> tuple[list[list[int]], list[list[int]]]:
-        if self.shape == CHAT:
-            return self._chats(batch["messages"], indices)
-        if self.shape == PROMPT_COMPLETION:
-            return self._prompt_completions(batch["prompt"], batch["completion"])
-        return self._texts(batch["text"])
+        """A batch of chats, prompt/completions or texts (as the shape reads them) -> (ids, labels)."""
+        return self.shape.sequences(self, batch, indices)
 
     def pairs(self, batch: dict[str, list], indices: list[int]) -> tuple[list, list, list[int]]:
         """Preference pairs: each as its chosen conversation's ids then its rejected one's (prompt + side, through
@@ -183,21 +173,21 @@ class Encoder:
         return ids, labels, sizes
 
     def _chats_completion(self, conversations: list[list[dict]], indices: list[int]) -> tuple[list, list]:
-        """`_chats` with assistant turns trained (what a pair's completion is), whatever `train_on` says."""
+        """`chats` with assistant turns trained (what a pair's completion is), whatever `train_on` says."""
         train_on, self.train_on = self.train_on, "completion"
         try:
-            return self._chats(conversations, indices)
+            return self.chats(conversations, indices)
         finally:
             self.train_on = train_on
 
     def _encode(self, texts: list[str], **kwargs) -> Any:
         return self.tokenizer(texts, add_special_tokens=False, **kwargs)
 
-    def _texts(self, texts: list[str]) -> tuple[list, list]:
+    def texts(self, texts: list[str]) -> tuple[list, list]:
         ids = [self.bos + x + [self.eos] for x in self._encode(texts)[INPUT_IDS]]
         return ids, [list(x) for x in ids]
 
-    def _prompt_completions(self, prompts: list[str], completions: list[str]) -> tuple[list, list]:
+    def prompt_completions(self, prompts: list[str], completions: list[str]) -> tuple[list, list]:
         ids, labels = [], []
         for p, c in zip(self._encode(prompts)[INPUT_IDS], self._encode(completions)[INPUT_IDS]):
             prompt, completion = self.bos + p, c + [self.eos]
@@ -211,7 +201,7 @@ class Encoder:
             messages, chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
-    def _chats(self, conversations: list[list[dict]], indices: list[int]) -> tuple[list, list]:
+    def chats(self, conversations: list[list[dict]], indices: list[int]) -> tuple[list, list]:
         if self.train_on == "all":
             ids = self._encode([self._render(m) for m in conversations])[INPUT_IDS]
             return ids, [list(x) for x in ids]
@@ -260,63 +250,7 @@ class Encoder:
         return labels.tolist()
 
 
-# ---------------------------------------------------------------- lengths and policies
-
-
-def _fit(ids: list[int], labels: list[int], max_length: int, overlong: str) -> dict[str, Any]:
-    """Apply `max_length` / `overlong` and the no-label rule to one example: the columns the map writes for it."""
-    n, cut = len(ids), max(0, len(ids) - max_length)
-    row = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, DROPPED: "", PROBLEM: "", INPUT_IDS: [], LABELS: []}
-    if cut and overlong in ("drop", "error"):  # `error` raises after the map, naming every such row
-        return {**row, LENGTH: n, DROPPED: "overlong", PROBLEM: f"{n:,} tokens"}
-    ids, labels = ids[:max_length], labels[:max_length]
-    if labels:
-        labels[0] = IGNORE_INDEX
-    trained = sum(label != IGNORE_INDEX for label in labels)
-    if not trained:
-        return {**row, LENGTH: len(ids), TRUNCATED_TOKENS: cut, DROPPED: "no_labels"}
-    return {**row, INPUT_IDS: ids, LABELS: labels, LENGTH: len(ids), TRUNCATED_TOKENS: cut, LABEL_TOKENS: trained}
-
-
-def _fit_pair(ids: list[int], labels: list[int], split: int, max_length: int, overlong: str) -> dict[str, Any]:
-    """A pair is one atom: longer than `max_length` it is dropped (or, `overlong=error`, refused), never cut; a
-    side without a trained token drops it (`no_labels`)."""
-    n = len(ids)
-    row = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, DROPPED: "", PROBLEM: "", INPUT_IDS: [], LABELS: [], LENGTH: n}
-    if n > max_length:
-        return {**row, DROPPED: "overlong", PROBLEM: f"{n:,} tokens (chosen and rejected together)", CHOSEN_TOKENS: 0}
-    labels = list(labels)
-    labels[0] = labels[split] = IGNORE_INDEX  # each sequence's first token predicts nothing
-    chosen = sum(label != IGNORE_INDEX for label in labels[:split])
-    rejected = sum(label != IGNORE_INDEX for label in labels[split:])
-    if not chosen or not rejected:
-        return {**row, DROPPED: "no_labels", CHOSEN_TOKENS: 0}
-    return {**row, INPUT_IDS: ids, LABELS: labels, LABEL_TOKENS: chosen + rejected, CHOSEN_TOKENS: split}
-
-
-def _fit_group(example: dict, ids: list, labels: list, sizes: list[int], max_length: int) -> dict[str, Any]:
-    """A group is one atom: longer than `max_length` it is dropped (or refused), never cut; an empty completion, or
-    per-token advantages or behaviour log-probs of another length than their completion's tokens, make it a bad
-    row."""
-    n = len(ids)
-    row = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, DROPPED: "", PROBLEM: "", INPUT_IDS: [], LABELS: [], LENGTH: n,
-           CHOSEN_TOKENS: 0, **NO_GROUP}  # fmt: skip
-    if n > max_length:
-        return {**row, DROPPED: "overlong", PROBLEM: f"{n:,} tokens (the prompt once and every completion)"}
-    empty = [i for i, size in enumerate(sizes) if not size]
-    if empty:
-        return {**row, DROPPED: "bad", PROBLEM: f"completions[{empty[0]}] has no token after the prompt"}
-    per_token = {name: example.get(name) or [] for name in (TOKEN_ADVANTAGES, BEHAVIOUR_LOGPS)}
-    for name, lists in per_token.items():
-        for i, (values, size) in enumerate(zip(lists, sizes)):
-            if len(values) != size:
-                problem = f"{name}[{i}] has {len(values)} values for its completion's {size} tokens"
-                return {**row, DROPPED: "bad", PROBLEM: problem}
-    return {
-        **row, INPUT_IDS: ids, LABELS: labels, LABEL_TOKENS: sum(sizes), COMPLETION_TOKENS: sizes,
-        REWARDS: list(example.get("rewards") or []), ADVANTAGES: list(example.get("advantages") or []),
-        **{name: [float(x) for values in lists for x in values] for name, lists in per_token.items()},
-    }  # fmt: skip
+# ---------------------------------------------------------------- the tokenized table
 
 
 def token_hash(ids: list[int]) -> int:
@@ -335,19 +269,10 @@ def tokenize_batch(
 ) -> dict[str, list]:
     n = len(indices)
     examples = [{name: batch[name][k] for name in batch} for k in range(n)]
-    problems = [ex.get(PROBLEM) or example_problem(encoder.shape, ex) for ex in examples]
+    problems = [ex.get(PROBLEM) or encoder.shape.problem(ex) for ex in examples]
     good = [k for k in range(n) if not problems[k]]
     kept = {name: [batch[name][k] for k in good] for name in batch}
-    if encoder.shape == PREFERENCE:
-        ids, labels, splits = encoder.pairs(kept, [indices[k] for k in good]) if good else ([], [], [])
-        fits = ({**_fit_pair(x, y, k, max_length, overlong), **NO_GROUP} for x, y, k in zip(ids, labels, splits))
-    elif encoder.shape == GROUP:
-        ids, labels, sizes = encoder.groups(kept, [indices[k] for k in good]) if good else ([], [], [])
-        fits = (_fit_group(examples[k], x, y, n, max_length) for k, x, y, n in zip(good, ids, labels, sizes))
-    else:
-        ids, labels = encoder(kept, [indices[k] for k in good]) if good else ([], [])
-        fits = ({**_fit(list(x), list(y), max_length, overlong), CHOSEN_TOKENS: 0, **NO_GROUP}
-                for x, y in zip(ids, labels))  # fmt: skip
+    fits = encoder.shape.encode(encoder, kept, [indices[k] for k in good], max_length, overlong)
     fitted = dict(zip(good, fits))
     bad = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, DROPPED: "bad", INPUT_IDS: [], LABELS: [], LENGTH: 0, CHOSEN_TOKENS: 0,
            **NO_GROUP}  # fmt: skip

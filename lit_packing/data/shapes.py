@@ -1,8 +1,10 @@
-"""Example shapes: the column layouts a tokenizer understands, and the checks that make a row trainable.
+"""Example shapes: each kind of example is one object that knows its columns, how a source holds them, what makes
+one untrainable, and how it becomes token ids and the columns of the tokenized table.
 
-    example_shape(["messages", "id"])   # -> "chat"
+    shape = example_shape(["messages", "id"])   # -> CHAT; shape.name == "chat"
+    shape.problem({"messages": [{"role": "user", "content": "Hi"}]})   # -> "no assistant turn"
 
-Shapes (columns), detected by `example_shape`:
+Shapes (columns), detected by `example_shape` in this order:
 
     preference         prompt, chosen, rejected: each a str or a list of messages (TRL's preference layout)
     group              prompt (str or messages), completions: [str or token ids, ...], rewards: [float, ...] (or
@@ -12,108 +14,66 @@ Shapes (columns), detected by `example_shape`:
     prompt_completion  prompt: str, completion: str
     text               text: str
 
-`example_problem` says what makes one example untrainable (nulls, wrong types, unknown roles, no assistant turn,
-control characters); sources mark rows they could not read with the `PROBLEM` column, and tokenization never
-tokenizes a row with a problem.
+A new kind of example is one more `ExampleShape` in `SHAPES`: the sources, the stream, the JSON reader and
+tokenization ask the shape, never compare its name. The tokenizer's mechanics (chat templates, assistant spans) are
+`lit_packing.data.encode.Encoder`'s; a shape says which of them its examples go through and how each is fitted to
+`max_length` (`data.overlong`). Sources mark rows they could not read with the `PROBLEM` column, and tokenization
+never tokenizes a row with a problem (`lit_packing.data.problems`).
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
+from typing import Any
 
 from datasets import List, Value
 
+from lit_packing.batch import (
+    ADVANTAGES,
+    BEHAVIOUR_LOGPS,
+    CHOSEN_TOKENS,
+    COMPLETION_TOKENS,
+    IGNORE_INDEX,
+    INPUT_IDS,
+    LABELS,
+    REWARDS,
+    TOKEN_ADVANTAGES,
+    TRUNCATED_TOKENS,
+)
+from lit_packing.data.problems import (
+    PER_TOKEN,
+    ROLES,
+    chat_problem,
+    group_problem,
+    pair_problem,
+    text_problem,
+)
 from lit_packing.errors import DataError
 
-CHAT = "chat"
-PROMPT_COMPLETION = "prompt_completion"
-TEXT = "text"
-PREFERENCE = "preference"
-GROUP = "group"
-SHAPE_COLUMNS = {
-    PREFERENCE: ("prompt", "chosen", "rejected"),
-    GROUP: ("prompt", "completions"),
-    CHAT: ("messages",),
-    PROMPT_COMPLETION: ("prompt", "completion"),
-    TEXT: ("text",),
-}
-ROLES = ("system", "user", "assistant")
+__all__ = ["CHAT", "GROUP", "PREFERENCE", "PROMPT_COMPLETION", "ROLES", "SHAPES", "TEXT", "ExampleShape",
+           "as_messages", "example_shape", "shape_named"]  # fmt: skip
+
 # A rollout group's columns besides its shape's: a score per completion (rewards or advantages) or per completion
 # token (token_advantages), and the sampler's log-probs of each completion's tokens.
 GROUP_COLUMNS = ("rewards", "advantages", "token_advantages", "behaviour_logps")
-PER_TOKEN = ("token_advantages", "behaviour_logps")  # a list of numbers per completion, one per token
 # Optional columns a source may add: the row as the user counts it (a file's line number), and why a row it could
 # not read is bad (empty for good rows). `tokenize_dataset` reads both.
 LINE = "_line"
 PROBLEM = "_problem"
 
 MESSAGES = List({"role": Value("string"), "content": Value("string")})  # the Arrow type of a chat's `messages`
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # C0 controls and DEL; tab, newline, CR are text
 
-
-def example_shape(column_names: list[str], knob: str = "data.source") -> str:
-    """Which shape a dataset's columns hold: `preference`, `group`, `chat`, `prompt_completion` or `text` (in that
-    order).
-
-    Raises:
-        DataError: naming the columns found and the `knob` that maps them (e.g. `data.source.init_args.field_map`).
-    """
-    for shape, needed in SHAPE_COLUMNS.items():
-        if all(column in column_names for column in needed):
-            return shape
-    raise DataError(
-        f"no known example shape in columns {sorted(column_names)}: need `messages` (chat), `prompt` + `completion`, "
-        f"`text`, `prompt` + `chosen` + `rejected` (preference pairs) or `prompt` + `completions` (rollout groups); "
-        f"rename yours with {knob}, e.g. field_map: "
-        f"{{question: prompt, answer: completion}}"
-    )
-
-
-def example_problem(shape: str, example: dict) -> str:
-    """What makes one example untrainable, or "" when it is fine: nulls, wrong types, unknown roles, a chat with no
-    assistant turn, empty turns or completions, control characters.
-
-    `example_problem("chat", {"messages": [{"role": "user", "content": "Hi"}]})` -> `"no assistant turn"`.
-    """
-    if shape == PREFERENCE:
-        return _pair_problem(example)
-    if shape == GROUP:
-        return _group_problem(example)
-    if shape == CHAT:
-        return _chat_problem(example.get("messages"))
-    if shape == PROMPT_COMPLETION:
-        return _text_problem("prompt", example.get("prompt"), allow_empty=True) or _text_problem(
-            "completion", example.get("completion")
-        )
-    return _text_problem("text", example.get("text"))
-
-
-def _text_problem(name: str, value: object, allow_empty: bool = False) -> str:
-    if not isinstance(value, str):
-        return f"{name} is {_kind(value)}, not a string"
-    if not allow_empty and not value.strip():
-        return f"{name} is empty"
-    found = _CONTROL.search(value)
-    return f"{name} holds control character U+{ord(found.group()):04X} at {found.start()}" if found else ""
-
-
-def _chat_problem(messages: object) -> str:
-    if not isinstance(messages, list) or not messages:
-        return f"messages is {_kind(messages)}, not a list of {{role, content}} turns"
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            return f"messages[{i}] is {_kind(message)}, not a {{role, content}} object"
-        role = message.get("role")
-        if role not in ROLES:
-            return f"messages[{i}] has role {role!r}: use one of {', '.join(ROLES)}"
-        problem = _text_problem(f"messages[{i}] ({role}) content", message.get("content"), role == "system")
-        if problem:
-            return problem
-    if not any(message["role"] == "assistant" for message in messages):
-        return "no assistant turn"
-    return ""
+# Columns of the tokenized table an example's fit writes besides its tokens (`lit_packing.data.encode`).
+LENGTH = "length"
+LABEL_TOKENS = "label_tokens"  # trained tokens of the example (labels != -100, its first label masked)
+DROPPED = "dropped"  # "", "bad", "overlong" or "no_labels"
+# A preference pair is one row: its chosen sequence's `chosen_tokens` tokens, then its rejected one's (0: not a pair).
+# A rollout group is one row: its prompt's tokens once, then each completion's (`completion_tokens` of them), with a
+# reward (or advantage) per completion or an advantage per completion token and, when the data has them, the
+# behaviour log-probs of every completion token (the per-token ones flat; empty lists in every other row).
+GROUP_OUTPUTS = [COMPLETION_TOKENS, REWARDS, ADVANTAGES, TOKEN_ADVANTAGES, BEHAVIOUR_LOGPS]
+NO_GROUP = {name: [] for name in GROUP_OUTPUTS}
+_EMPTY = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, DROPPED: "", PROBLEM: "", INPUT_IDS: [], LABELS: [], LENGTH: 0,
+          CHOSEN_TOKENS: 0, **NO_GROUP}  # fmt: skip
 
 
 def as_messages(value: object, role: str) -> list[dict]:
@@ -123,102 +83,238 @@ def as_messages(value: object, role: str) -> list[dict]:
     return list(value)
 
 
-def _pair_problem(example: dict) -> str:
-    """A preference pair's problem: a side that is no text or no messages, an empty or untrainable side, or a
-    chosen side identical to the rejected one (the pair would teach nothing)."""
-    prompt = example.get("prompt")
-    if isinstance(prompt, str):
-        problem = _text_problem("prompt", prompt, allow_empty=True)
-    elif isinstance(prompt, list):
-        problem = _chat_problem([*prompt, {"role": "assistant", "content": "x"}]) if prompt else ""  # its turns
-    else:
-        problem = f"prompt is {_kind(prompt)}, not a string or a list of messages"
-    if problem:
-        return problem
-    for side in ("chosen", "rejected"):
-        value = example.get(side)
-        if isinstance(value, str):
-            problem = _text_problem(side, value)
-        elif isinstance(value, list):
-            problem = _chat_problem(value) if value else f"{side} is an empty list"
-            problem = problem and f"{side}: {problem}"
-        else:
-            problem = f"{side} is {_kind(value)}, not a string or a list of messages"
+def _turns(messages: list[dict]) -> list[dict[str, str]]:
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+class ExampleShape:
+    """One kind of example. Subclasses set the class attributes and override what differs.
+
+    Attributes:
+        name: the shape's name in messages and logs (`chat`).
+        columns: the columns whose presence says a source holds this shape.
+        features: the Arrow types a source holds its columns as (a text side of a pair as one turn of messages).
+        chat: rendered through the chat template.
+        atom: what an example is when it is trained whole or not at all ("preference pairs"): never cut by
+            `data.overlong=truncate`, not carried by stream windows yet; "" when an example may be cut.
+    """
+
+    name = ""
+    columns: tuple[str, ...] = ()
+    features: dict[str, Any] = {}
+    chat = False
+    atom = ""
+
+    def problem(self, example: dict) -> str:
+        """What makes one example untrainable, or "" when it is fine."""
+        raise NotImplementedError
+
+    def held(self, record: dict, problem: str) -> dict:
+        """A read record's columns as `features` holds them; empty ones for a bad record (`problem`)."""
+        return {name: "" if problem else record[name] for name in self.columns}
+
+    def encode(self, encoder, batch: dict[str, list], indices: list[int], max_length: int, overlong: str) -> list[dict]:
+        """Good examples (`batch`, `indices` their rows) -> each one's row of the tokenized table, fitted to
+        `max_length` by `overlong` (`lit_packing.data.encode.tokenize_batch` writes the rest)."""
+        ids, labels = encoder(batch, indices) if indices else ([], [])  # through `sequences`
+        return [fit(list(x), list(y), max_length, overlong) for x, y in zip(ids, labels)]
+
+    def sequences(self, encoder, batch: dict[str, list], indices: list[int]) -> tuple[list, list]:
+        """A batch of examples that are one sequence each -> (ids, labels), through `encoder`'s mechanics."""
+        raise NotImplementedError(f"{self.name} examples are not one sequence each")
+
+    def __repr__(self) -> str:
+        return self.name
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ExampleShape) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __reduce__(self):  # a pickled shape (in loader workers, a stored shard) is the same object again
+        return shape_named, (self.name,)
+
+
+class TextShape(ExampleShape):
+    name, columns, features = "text", ("text",), {"text": Value("string")}
+
+    def problem(self, example: dict) -> str:
+        return text_problem("text", example.get("text"))
+
+    def sequences(self, encoder, batch, indices):
+        return encoder.texts(batch["text"])
+
+
+class PromptCompletionShape(ExampleShape):
+    name, columns = "prompt_completion", ("prompt", "completion")
+    features = {"prompt": Value("string"), "completion": Value("string")}
+
+    def problem(self, example: dict) -> str:
+        return text_problem("prompt", example.get("prompt"), allow_empty=True) or text_problem(
+            "completion", example.get("completion")
+        )
+
+    def sequences(self, encoder, batch, indices):
+        return encoder.prompt_completions(batch["prompt"], batch["completion"])
+
+
+class ChatShape(ExampleShape):
+    name, columns, features, chat = "chat", ("messages",), {"messages": MESSAGES}, True
+
+    def problem(self, example: dict) -> str:
+        return chat_problem(example.get("messages"))
+
+    def held(self, record: dict, problem: str) -> dict:
+        return {"messages": [] if problem else _turns(record["messages"])}
+
+    def sequences(self, encoder, batch, indices):
+        return encoder.chats(batch["messages"], indices)
+
+
+class PreferenceShape(ExampleShape):
+    name, columns, chat, atom = "preference", ("prompt", "chosen", "rejected"), True, "preference pairs"
+    features = {"prompt": MESSAGES, "chosen": MESSAGES, "rejected": MESSAGES}  # text sides as one turn each
+
+    def problem(self, example: dict) -> str:
+        return pair_problem(example)
+
+    def held(self, record: dict, problem: str) -> dict:  # a side may be text or messages: held as messages
+        sides = (("prompt", "user"), ("chosen", "assistant"), ("rejected", "assistant"))
+        return {name: [] if problem else _turns(as_messages(record[name], role)) for name, role in sides}
+
+    def encode(self, encoder, batch, indices, max_length, overlong):
+        ids, labels, splits = encoder.pairs(batch, indices) if indices else ([], [], [])
+        return [fit_pair(x, y, k, max_length) for x, y, k in zip(ids, labels, splits)]
+
+
+class GroupShape(ExampleShape):
+    name, columns, chat, atom = "group", ("prompt", "completions"), True, "rollout groups"
+    features = {
+        "prompt": MESSAGES,
+        "completions": List(Value("string")),
+        "completion_ids": List(List(Value("int64"))),
+        "rewards": List(Value("float64")),
+        "advantages": List(Value("float64")),
+        "token_advantages": List(List(Value("float64"))),
+        "behaviour_logps": List(List(Value("float64"))),
+    }  # fmt: skip
+
+    def problem(self, example: dict) -> str:
+        return group_problem(example)
+
+    def held(self, record: dict, problem: str) -> dict:
+        """Text completions in `completions` ("" where ids are given), token-id ones in `completion_ids` ([] where
+        text is), absent scores and log-probs as empty lists."""
         if problem:
-            return problem
-    if example.get("chosen") == example.get("rejected"):
-        return "chosen and rejected are identical"
-    return ""
+            return {"prompt": [], "completions": [], "completion_ids": [], **{name: [] for name in GROUP_COLUMNS}}
+        completions = record["completions"]
+        return {
+            "prompt": _turns(as_messages(record["prompt"], "user")),
+            "completions": [c if isinstance(c, str) else "" for c in completions],
+            "completion_ids": [[] if isinstance(c, str) else c for c in completions],
+            **{name: record.get(name) or [] for name in GROUP_COLUMNS},
+        }
+
+    def encode(self, encoder, batch, indices, max_length, overlong):
+        ids, labels, sizes = encoder.groups(batch, indices) if indices else ([], [], [])
+        examples = [{name: batch[name][k] for name in batch} for k in range(len(indices))]
+        return [fit_group(e, x, y, n, max_length) for e, x, y, n in zip(examples, ids, labels, sizes)]
 
 
-def _prompt_problem(prompt: object) -> str:
-    if isinstance(prompt, str):
-        return _text_problem("prompt", prompt)
-    if isinstance(prompt, list) and prompt:
-        return _chat_problem([*prompt, {"role": "assistant", "content": "x"}])  # its turns
-    return f"prompt is {_kind(prompt)}, not a string or a list of messages"
+PREFERENCE, GROUP, CHAT, PROMPT_COMPLETION, TEXT = (
+    PreferenceShape(), GroupShape(), ChatShape(), PromptCompletionShape(), TextShape()
+)  # fmt: skip
+SHAPES = (PREFERENCE, GROUP, CHAT, PROMPT_COMPLETION, TEXT)  # detection order: the most specific columns first
 
 
-def _group_problem(example: dict) -> str:
-    """A rollout group's problem: no prompt, no completion, an empty completion, a score missing, not a number,
-    NaN or infinite, or as many scores (or behaviour log-prob lists) as there are completions."""
-    problem = _prompt_problem(example.get("prompt"))
-    completions = example.get("completions")
-    if problem:
-        return problem
-    if not isinstance(completions, list) or not completions:
-        return f"completions is {_kind(completions)}, not a list of completions"
-    given = example.get("completion_ids") or []  # a read JSON file holds token ids apart, "" in `completions`
-    for i, completion in enumerate(completions):
-        completion = given[i] if i < len(given) and given[i] else completion
-        if isinstance(completion, str):
-            problem = _text_problem(f"completions[{i}]", completion)
-        elif not isinstance(completion, list) or not completion:
-            problem = f"completions[{i}] is {_kind(completion)}, not a string or a list of token ids"
-        elif not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in completion):
-            problem = f"completions[{i}] holds something that is no token id"
-        if problem:
-            return problem
-    scores = [name for name in ("rewards", "advantages", "token_advantages") if example.get(name) not in (None, [])]
-    if not scores:
-        return "no rewards (or advantages): give one per completion"
-    for name in scores:
-        problem = "" if name in PER_TOKEN else _numbers_problem(name, example[name], len(completions))
-        if problem:
-            return problem
-    for name in PER_TOKEN:
-        values = example.get(name)
-        if values in (None, []):
-            continue
-        if not isinstance(values, list) or len(values) != len(completions):
-            return f"{name} is {_kind(values)}, not one list per completion ({len(completions)})"
-        for i, numbers in enumerate(values):
-            problem = _numbers_problem(f"{name}[{i}]", numbers, None)
-            if problem:
-                return problem
-    return ""
+def shape_named(name: str) -> ExampleShape:
+    """The shape called `name` (`"chat"`)."""
+    for shape in SHAPES:
+        if shape.name == name:
+            return shape
+    raise ValueError(f"no example shape {name!r}: one of {', '.join(s.name for s in SHAPES)}")
 
 
-def _numbers_problem(name: str, values: object, expected: int | None) -> str:
-    if not isinstance(values, list) or (expected is not None and len(values) != expected):
-        return f"{name} is {_kind(values)}, not {expected} numbers (one per completion)" if expected else (
-            f"{name} is {_kind(values)}, not a list of numbers")  # fmt: skip
-    for k, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return f"{name}[{k}] is {_kind(value)}: give a finite number"
-    return ""
+def example_shape(column_names: list[str], knob: str = "data.source") -> ExampleShape:
+    """Which shape a dataset's columns hold: the first of `SHAPES` whose columns are all there.
+
+    Raises:
+        DataError: naming the columns found and the `knob` that maps them (e.g. `data.source.init_args.field_map`).
+    """
+    for shape in SHAPES:
+        if all(column in column_names for column in shape.columns):
+            return shape
+    raise DataError(
+        f"no known example shape in columns {sorted(column_names)}: need `messages` (chat), `prompt` + `completion`, "
+        f"`text`, `prompt` + `chosen` + `rejected` (preference pairs) or `prompt` + `completions` (rollout groups); "
+        f"rename yours with {knob}, e.g. field_map: "
+        f"{{question: prompt, answer: completion}}"
+    )
 
 
-_JSON_KINDS = {
-    bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object",
-}  # fmt: skip
+def example_problem(shape: ExampleShape | str, example: dict) -> str:
+    """What makes one example of `shape` untrainable, or "" when it is fine.
+
+    `example_problem("chat", {"messages": [{"role": "user", "content": "Hi"}]})` -> `"no assistant turn"`.
+    """
+    return (shape_named(shape) if isinstance(shape, str) else shape).problem(example)
 
 
-def _kind(value: object) -> str:
-    """A JSON value as a message names it: `null (or missing)`, `an empty list`, `a number (5)`."""
-    if value is None:
-        return "null (or missing)"
-    kind = _JSON_KINDS.get(type(value), f"a {type(value).__name__}")
-    if isinstance(value, (list, dict, str)) and not value:
-        return f"an empty {kind.split()[-1]}"
-    return f"{kind} ({json.dumps(value, default=str)[:40]})"
+# ---------------------------------------------------------------- fitting one example to max_length
+
+
+def fit(ids: list[int], labels: list[int], max_length: int, overlong: str) -> dict[str, Any]:
+    """Apply `max_length` / `overlong` and the no-label rule to one example: the columns the map writes for it."""
+    n, cut = len(ids), max(0, len(ids) - max_length)
+    if cut and overlong in ("drop", "error"):  # `error` raises after the map, naming every such row
+        return {**_EMPTY, LENGTH: n, DROPPED: "overlong", PROBLEM: f"{n:,} tokens"}
+    ids, labels = ids[:max_length], labels[:max_length]
+    if labels:
+        labels[0] = IGNORE_INDEX
+    trained = sum(label != IGNORE_INDEX for label in labels)
+    if not trained:
+        return {**_EMPTY, LENGTH: len(ids), TRUNCATED_TOKENS: cut, DROPPED: "no_labels"}
+    return {**_EMPTY, INPUT_IDS: ids, LABELS: labels, LENGTH: len(ids), TRUNCATED_TOKENS: cut, LABEL_TOKENS: trained}
+
+
+def fit_pair(ids: list[int], labels: list[int], split: int, max_length: int) -> dict[str, Any]:
+    """A pair is one atom: longer than `max_length` it is dropped (or, `overlong=error`, refused), never cut; a
+    side without a trained token drops it (`no_labels`)."""
+    n = len(ids)
+    row = {**_EMPTY, LENGTH: n}
+    if n > max_length:
+        return {**row, DROPPED: "overlong", PROBLEM: f"{n:,} tokens (chosen and rejected together)"}
+    labels = list(labels)
+    labels[0] = labels[split] = IGNORE_INDEX  # each sequence's first token predicts nothing
+    chosen = sum(label != IGNORE_INDEX for label in labels[:split])
+    rejected = sum(label != IGNORE_INDEX for label in labels[split:])
+    if not chosen or not rejected:
+        return {**row, DROPPED: "no_labels"}
+    return {**row, INPUT_IDS: ids, LABELS: labels, LABEL_TOKENS: chosen + rejected, CHOSEN_TOKENS: split}
+
+
+def fit_group(example: dict, ids: list, labels: list, sizes: list[int], max_length: int) -> dict[str, Any]:
+    """A group is one atom: longer than `max_length` it is dropped (or refused), never cut; an empty completion, or
+    per-token advantages or behaviour log-probs of another length than their completion's tokens, make it a bad
+    row."""
+    n = len(ids)
+    row = {**_EMPTY, LENGTH: n}
+    if n > max_length:
+        return {**row, DROPPED: "overlong", PROBLEM: f"{n:,} tokens (the prompt once and every completion)"}
+    empty = [i for i, size in enumerate(sizes) if not size]
+    if empty:
+        return {**row, DROPPED: "bad", PROBLEM: f"completions[{empty[0]}] has no token after the prompt"}
+    per_token = {name: example.get(name) or [] for name in PER_TOKEN}
+    for name, lists in per_token.items():
+        for i, (values, size) in enumerate(zip(lists, sizes)):
+            if len(values) != size:
+                problem = f"{name}[{i}] has {len(values)} values for its completion's {size} tokens"
+                return {**row, DROPPED: "bad", PROBLEM: problem}
+    return {
+        **row, INPUT_IDS: ids, LABELS: labels, LABEL_TOKENS: sum(sizes), COMPLETION_TOKENS: sizes,
+        REWARDS: list(example.get("rewards") or []), ADVANTAGES: list(example.get("advantages") or []),
+        **{name: [float(x) for values in lists for x in values] for name, lists in per_token.items()},
+    }  # fmt: skip

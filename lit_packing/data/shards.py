@@ -1,6 +1,6 @@
 """Shards: a source read as a stream, from any row on, in order, with bounded memory (`data.streaming`).
 
-    rows = JsonLinesShard("a.jsonl", None, "a.jsonl", "chat", None).read(start=500)   # lazily, from row 500
+    rows = JsonLinesShard("a.jsonl", None, "a.jsonl", CHAT, None).read(start=500)   # lazily, from row 500
 
 Every reader is here, so a new file format is one edit in this file: a `Shard` subclass, its suffix in
 `FILE_BUILDERS` and its branch in `file_shards`. A source builds its shards (`Source.shards()`, `HFDataset.shards()`
@@ -31,18 +31,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lit_packing.data.shapes import (
-    CHAT,
-    GROUP,
-    GROUP_COLUMNS,
-    LINE,
-    PREFERENCE,
-    PROBLEM,
-    SHAPE_COLUMNS,
-    as_messages,
-    example_problem,
-    example_shape,
-)
+from lit_packing.data.shapes import LINE, PROBLEM, ExampleShape, example_shape
 from lit_packing.errors import AssetError, DataError, install_hint
 
 _READ_ROWS = 1024  # rows turned into Python objects at a time: what bounds a reader's memory
@@ -176,46 +165,19 @@ def _renamed(record: object, field_map: dict[str, str] | None) -> object:
     return {field_map.get(key, key): value for key, value in record.items()}
 
 
-def _normalized(shape: str, line: int, record: object, problem: str) -> dict:
+def _normalized(shape: ExampleShape, line: int, record: object, problem: str) -> dict:
     """One Arrow row of `shape`: the record's fields (types checked), or empty fields and the problem."""
     if not problem:
-        problem = "not a JSON object" if not isinstance(record, dict) else example_problem(shape, record)
-    row = {LINE: line, PROBLEM: problem}
-    if shape == CHAT:
-        messages = [] if problem else [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
-        return {**row, "messages": messages}
-    if shape == PREFERENCE:  # a side may be text or messages: held as messages (text as one turn)
-        sides = (("prompt", "user"), ("chosen", "assistant"), ("rejected", "assistant"))
-        return {**row, **{name: [] if problem else _turns(as_messages(record[name], role)) for name, role in sides}}
-    if shape == GROUP:
-        return {**row, **_group_row(record, problem)}
-    return {**row, **{name: "" if problem else record[name] for name in SHAPE_COLUMNS[shape]}}
+        problem = "not a JSON object" if not isinstance(record, dict) else shape.problem(record)
+    return {LINE: line, PROBLEM: problem, **shape.held(record, problem)}
 
 
-def _group_row(record: dict, problem: str) -> dict:
-    """A rollout group as Arrow holds it: text completions in `completions` ("" where ids are given), token-id ones in
-    `completion_ids` ([] where text is), absent scores and log-probs as empty lists."""
-    if problem:
-        return {"prompt": [], "completions": [], "completion_ids": [], **{name: [] for name in GROUP_COLUMNS}}
-    completions = record["completions"]
-    return {
-        "prompt": _turns(as_messages(record["prompt"], "user")),
-        "completions": [c if isinstance(c, str) else "" for c in completions],
-        "completion_ids": [[] if isinstance(c, str) else c for c in completions],
-        **{name: record.get(name) or [] for name in GROUP_COLUMNS},
-    }
-
-
-def _turns(messages: list[dict]) -> list[dict[str, str]]:
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
-
-
-def json_rows(path: str, shape: str, field_map: dict[str, str] | None, start: int = 0) -> Iterator[dict]:
+def json_rows(path: str, shape: ExampleShape, field_map: dict[str, str] | None, start: int = 0) -> Iterator[dict]:
     for line, record, problem in json_records(path, start):
         yield _normalized(shape, line, _renamed(record, field_map), problem)
 
 
-def json_shape(paths: list[str], field_map: dict[str, str] | None) -> str:
+def json_shape(paths: list[str], field_map: dict[str, str] | None) -> ExampleShape:
     """The shape most of the first `_SHAPE_VOTES` records of the files hold: a few rows missing a field are bad rows,
     not another shape.
 
@@ -256,14 +218,14 @@ class JsonLinesShard(Shard):
     """
 
     path: str
-    shape: str
+    shape: ExampleShape
     field_map: dict[str, str] | None
 
     def read(self, start: int = 0) -> Iterator[dict]:
         return json_rows(self.path, self.shape, self.field_map, _check_start(start))
 
     def columns(self) -> list[str]:
-        return [LINE, PROBLEM, *SHAPE_COLUMNS[self.shape]]
+        return [LINE, PROBLEM, *self.shape.columns]
 
     def row_name(self, row: int) -> str:
         """`line 18 of shards/a.jsonl` (`row` is the row's `LINE`), `item 18` for a JSON array."""

@@ -30,21 +30,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
-from datasets import Features, List, Value
+from datasets import Features, Value
 
 from lit_packing._compat import packaged_builders
 from lit_packing.assets import check_local_or_hub
-from lit_packing.data.shapes import (
-    CHAT,
-    GROUP,
-    LINE,
-    MESSAGES,
-    PREFERENCE,
-    PROBLEM,
-    PROMPT_COMPLETION,
-    TEXT,
-    example_shape,
-)
+from lit_packing.data.shapes import LINE, PROBLEM, ExampleShape, example_shape
 from lit_packing.data.shards import (
     FILE_BUILDERS,
     DatasetShard,
@@ -109,8 +99,8 @@ class Source:
             loaded = loaded["train"]
         return [DatasetShard(repr(self), len(loaded), loaded, self)]
 
-    def shape(self, shards: list[Shard] | None = None) -> str:
-        """The example shape the shards' rows hold (`chat`, `prompt_completion` or `text`), told before any is read:
+    def shape(self, shards: list[Shard] | None = None) -> ExampleShape:
+        """The example shape the shards' rows hold (`lit_packing.data.shapes`), told before any is read:
         from the columns of the first shard that may hold rows (its schema, or its first row where it has none).
 
         Args:
@@ -136,22 +126,6 @@ class Source:
 
 
 # ---------------------------------------------------------------- Anything `datasets` reads
-
-_SHAPE_FEATURES = {
-    CHAT: {"messages": MESSAGES},
-    PROMPT_COMPLETION: {"prompt": Value("string"), "completion": Value("string")},
-    TEXT: {"text": Value("string")},
-    PREFERENCE: {"prompt": MESSAGES, "chosen": MESSAGES, "rejected": MESSAGES},  # text sides as one turn each
-    GROUP: {
-        "prompt": MESSAGES,
-        "completions": List(Value("string")),
-        "completion_ids": List(List(Value("int64"))),
-        "rewards": List(Value("float64")),
-        "advantages": List(Value("float64")),
-        "token_advantages": List(List(Value("float64"))),
-        "behaviour_logps": List(List(Value("float64"))),
-    },  # fmt: skip
-}
 
 
 def _one_split(splits: dict, split: str, what: str):
@@ -317,13 +291,13 @@ class HFDataset(Source):
     def _read_json(self, cache_dir: str | None) -> datasets.Dataset:
         shape = json_shape([self.path], self.field_map)
         stat = Path(self.path).stat()
-        features = Features({LINE: Value("int64"), PROBLEM: Value("string"), **_SHAPE_FEATURES[shape]})
+        features = Features({LINE: Value("int64"), PROBLEM: Value("string"), **shape.features})
         return datasets.Dataset.from_generator(
             json_rows,
             features=features,
             gen_kwargs={"path": self.path, "shape": shape, "field_map": self.field_map},
             cache_dir=cache_dir,
-            fingerprint=_hash(self.fingerprint, stat.st_size, stat.st_mtime_ns, shape),
+            fingerprint=_hash(self.fingerprint, stat.st_size, stat.st_mtime_ns, shape.name),
         )
 
     def _read(self, cache_dir: str | None) -> datasets.Dataset | datasets.DatasetDict:
@@ -406,7 +380,7 @@ class LitData(Source):
             _shard_rows,
             gen_kwargs={"shards": shards},
             cache_dir=cache_dir,
-            fingerprint=_hash(self.fingerprint, index, self.shape(shards)),
+            fingerprint=_hash(self.fingerprint, index, self.shape(shards).name),
         )
 
     def _shards(self, where: str, index: dict) -> list[Shard]:

@@ -47,7 +47,7 @@ from lit_packing.batch import IGNORE_INDEX, INDEX, INPUT_IDS, LABELS, SOURCE_TOK
 from lit_packing.data.encode import DROPPED, LABEL_TOKENS, ROW, Encoder, chat_template, tokenize_batch
 from lit_packing.data.global_batch import Layout
 from lit_packing.data.report import TokenizationReport, check_report, report_of
-from lit_packing.data.shapes import CHAT, GROUP, LINE, PREFERENCE
+from lit_packing.data.shapes import LINE
 from lit_packing.data.sources import Source
 from lit_packing.errors import ConfigError, DataError
 from lit_packing.processes import EndWithParent
@@ -143,11 +143,10 @@ class SourceRows:
         if not self.shards:
             raise DataError(f"{source!r} has no shards to stream: check data.source (its path or data_files)")
         self.shape = source.shape(self.shards)
-        if self.shape in (PREFERENCE, GROUP):
-            what = "preference pairs" if self.shape == PREFERENCE else "rollout groups"
+        if self.shape.atom:
             raise ConfigError(
                 "data.streaming",
-                f"{source!r} holds {what}, which stream windows do not carry yet",
+                f"{source!r} holds {self.shape.atom}, which stream windows do not carry yet",
                 "set data.streaming=false (they are tokenized and cached once)",
             )
         self.held = list(held) + [0] * (len(self.shards) - len(held))
@@ -201,7 +200,7 @@ class _Chunks(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         rows = self.rows.read(self.epoch, self.pass_, self.first * self.size)
         shape, tokenizer = self.rows.shape, self.rules.tokenizer
-        encoder = Encoder(tokenizer, shape, chat_template(tokenizer) if shape == CHAT else "", self.rules.train_on)
+        encoder = Encoder(tokenizer, shape, chat_template(tokenizer) if shape.chat else "", self.rules.train_on)
         for number in itertools.count(self.first):
             block = list(itertools.islice(rows, self.size))
             if not block:

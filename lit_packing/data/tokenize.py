@@ -14,7 +14,7 @@ Assistant spans come from the chat template itself: the render of `messages[:i]`
 where assistant message i starts, the render of `messages[:i + 1]` where it ends. This works for any template that
 renders earlier turns the same whatever follows (prefix-consistent); others raise a ValueError naming the fix.
 
-Bad examples (see `lit_packing.data.shapes.example_problem`) are never tokenized: with `on_bad_row="error"`
+Bad examples (see `lit_packing.data.problems`) are never tokenized: with `on_bad_row="error"`
 (default) tokenization stops with a `DataError` naming the first few rows as the user counts them (a file's line
 numbers); with `skip` they are left out and counted. The cache file `datasets.map` writes is checked against a
 size + XXH3-128 record kept beside it on every load, and rebuilt when it differs (`lit_packing.data.cache_check`).
@@ -64,7 +64,7 @@ from lit_packing.data.encode import (
     tokenize_batch,
 )
 from lit_packing.data.report import TokenizationReport, check_report, report_of
-from lit_packing.data.shapes import CHAT, GROUP, PREFERENCE, example_shape
+from lit_packing.data.shapes import example_shape
 from lit_packing.errors import ConfigError, DataError
 from lit_packing.text import count
 
@@ -175,16 +175,14 @@ def tokenize_dataset(
     if not len(dataset):
         raise DataError("the source holds no examples: check data.source (its path, split and field_map)")
     shape = example_shape(dataset.column_names)
-    if shape in (PREFERENCE, GROUP) and overlong == "truncate":
-        what = "preference pairs in half (a pair" if shape == PREFERENCE else "rollout groups apart (a group"
-        items = "pairs" if shape == PREFERENCE else "groups"
+    if shape.atom and overlong == "truncate":
         raise ConfigError(
             "data.overlong",
-            f"truncate would cut {what} is trained whole or not at all)",
-            f"set data.overlong=drop ({items} longer than data.max_length are left out and counted) or error",
+            f"truncate would cut {shape.atom} apart (each is trained whole or not at all)",
+            f"set data.overlong=drop ({shape.atom} longer than data.max_length are left out and counted) or error",
         )
-    template = chat_template(tokenizer) if shape in (CHAT, PREFERENCE, GROUP) else ""
-    if shape == CHAT and not tokenizer.chat_template:
+    template = chat_template(tokenizer) if shape.chat else ""
+    if shape.chat and not tokenizer.chat_template:
         log.warning(
             "tokenizer %r has no chat template: chats are rendered with ChatML "
             "(lit_packing.data.DEFAULT_CHAT_TEMPLATE; its markers are plain text to this tokenizer)",

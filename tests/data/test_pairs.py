@@ -55,7 +55,7 @@ def test_a_pair_longer_than_max_length_is_dropped_and_counted_never_cut(champ, t
     lengths = TokenizedDataset(tokenized).lengths
     assert lengths.max() <= 1200 and report.dropped_overlong_examples > 0
     assert len(tokenized) + report.dropped_overlong_examples == 40
-    with pytest.raises(ConfigError, match="data.overlong: truncate would cut preference pairs in half"):
+    with pytest.raises(ConfigError, match="data.overlong: truncate would cut preference pairs apart"):
         tokenize_dataset(champ.select(range(4)), tokenizer, max_length=1200, overlong="truncate")
     with pytest.raises(DataError, match="max_length"):
         tokenize_dataset(champ.select(range(40)), tokenizer, max_length=1200, overlong="error")

@@ -77,7 +77,7 @@ def test_default_shard_streams_what_load_gives(tmp_path):
     assert isinstance(shard, DatasetShard)
     assert (shard.name, shard.rows, shard.row_name(3)) == ("HumanEval()", 164, "row 3 of HumanEval()")
     check_reads(shard, train_rows(source, tmp_path), starts=(1, 100, 163))
-    assert source.shape(shards) == "prompt_completion"
+    assert source.shape(shards).name == "prompt_completion"
 
 
 class Saved(Source):
@@ -117,7 +117,7 @@ def test_jsonl_file_streams_its_lines_with_bad_rows_named(tmp_path):
     assert [row["_line"] for row in rows] == [1, 2, 3, 4, 6, 7, 8, 9, 10]
     check_reads(shard, rows, starts=(1, 3, 4, 5, 8))
     assert shard.row_name(rows[3]["_line"]) == f"line 4 of {path}"
-    assert source.shape() == "chat"
+    assert source.shape().name == "chat"
 
 
 def test_json_array_file_streams_its_items(tmp_path):
@@ -150,7 +150,7 @@ def test_jsonl_glob_is_one_shard_per_file_in_sorted_order(tmp_path, monkeypatch)
     source = HFDataset(path="json", data_files="shards/*.jsonl")
     shards = source.shards()
     assert [(s.name, s.rows) for s in shards] == [(f"shards/{n}.jsonl", None) for n in "abc"]
-    assert source.shape(shards) == "chat"
+    assert source.shape(shards).name == "chat"
     # `datasets`' JSON builder (the cached path for data_files) keeps every column and no line numbers
     cached = train_rows(source, tmp_path / "cache")
     streamed = [row for shard in shards for row in shard.read()]
@@ -194,7 +194,7 @@ def test_parquet_files_stream_by_row_group(tmp_path):
     assert [(s.name, s.rows) for s in shards] == [
         (str(tmp_path / "data" / f"train-0000{n}.parquet"), rows) for n, rows in ((0, 10), (1, 7))
     ]
-    assert shards[0].columns() == ["messages", "id"] and source.shape(shards) == "chat"
+    assert shards[0].columns() == ["messages", "id"] and source.shape(shards).name == "chat"
     cached = train_rows(source, tmp_path / "cache")
     assert cached[0] == {"messages": chat(0)["messages"], "id": "chat-0"}
     check_reads(shards[0], cached[:10], starts=(1, 3, 4, 5, 8, 9))  # within, at and across row groups
@@ -216,7 +216,7 @@ def test_saved_dataset_streams_its_arrow_files(tmp_path):
     assert all(isinstance(shard, ArrowShard) for shard in shards)
     names = [f"{tmp_path}/saved/train/data-0000{n}-of-00002.arrow" for n in (0, 1)]
     assert [(s.name, s.rows) for s in shards] == [(names[0], 6), (names[1], 5)]
-    assert source.shape(shards) == "chat"
+    assert source.shape(shards).name == "chat"
     cached = train_rows(source, tmp_path)
     check_reads(shards[0], cached[:6])
     check_reads(shards[1], cached[6:], starts=(1, 4))
@@ -239,7 +239,7 @@ def test_csv_streams_through_datasets_streaming_mode(tmp_path):
     source = HFDataset(path, field_map={"question": "prompt", "answer": "completion"})
     (shard,) = shards = source.shards()
     assert isinstance(shard, StreamingShard) and shard.rows is None and shard.name == path
-    assert source.shape(shards) == "prompt_completion"
+    assert source.shape(shards).name == "prompt_completion"
     check_reads(shard, train_rows(source, tmp_path / "cache"), starts=(1, 5))
     assert shard.row_name(4) == f"row 4 of {path}"
 
@@ -280,7 +280,7 @@ def test_litdata_chunks_are_shards(optimized, tmp_path):
     assert [(s.name, s.rows) for s in shards] == [
         (f"{optimized}/chunk-0-{n}.bin", r) for n, r in ((0, 10), (1, 10), (2, 5))
     ]
-    assert source.shape(shards) == "chat"
+    assert source.shape(shards).name == "chat"
     items = [chat(i) for i in range(25)]
     check_reads(shards[1], items[10:20], starts=(1, 9))
     assert [row for shard in shards for row in shard.read()] == items

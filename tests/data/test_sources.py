@@ -32,7 +32,7 @@ def roles(messages: list[dict]) -> list[str]:
 def test_champ_chats(cache_dir):
     chats = ChampChats().load(cache_dir)
     assert len(chats) == 19_440
-    assert example_shape(chats.column_names) == "chat"
+    assert example_shape(chats.column_names).name == "chat"
     assert chats[0]["id"] == "P_Combinatorics_1|GPT-3.5|0-Shot"
     assert roles(chats[0]["messages"]) == ["system", "user", "assistant", "user", "assistant"]
     assert chats[0]["messages"][0]["content"] == "You are an expert on mathematics."
@@ -74,7 +74,7 @@ def test_champ_roles_and_cut_conversations():
 def test_champ_problems(cache_dir):
     problems = ChampProblems().load(cache_dir)
     assert len(problems) == 270
-    assert example_shape(problems.column_names) == "prompt_completion"
+    assert example_shape(problems.column_names).name == "prompt_completion"
     first = problems[0]
     assert first["prompt"].endswith("have adjacent digit differing by less than or equal to 1?\n\n")
     assert first["completion"].startswith("Step-wise solution:\n1. Let x_n, y_n, z_n")
@@ -93,7 +93,7 @@ def test_chatterbot(cache_dir):
 def test_human_eval(cache_dir):
     tasks = HumanEval().load(cache_dir)
     assert len(tasks) == 164
-    assert example_shape(tasks.column_names) == "prompt_completion"
+    assert example_shape(tasks.column_names).name == "prompt_completion"
     assert tasks[0]["id"] == "HumanEval/0"
     assert "def has_close_elements" in tasks[0]["prompt"]
     assert tasks[0]["completion"].startswith("    for idx, elem in enumerate(numbers):")
@@ -103,7 +103,7 @@ def test_state_of_the_union(cache_dir):
     paragraphs = StateOfTheUnion().load(cache_dir)
     speeches = StateOfTheUnion(unit="document").load(cache_dir)
     assert (len(paragraphs), len(speeches)) == (25_488, 249)
-    assert example_shape(speeches.column_names) == "text"
+    assert example_shape(speeches.column_names).name == "text"
     assert speeches[0]["speech"] == "1790-Washington-1"
     assert paragraphs[0]["text"] == "Fellow-Citizens of the Senate and House of Representatives:"
     with pytest.raises(ValueError, match="data.source.init_args.unit: 'chapter' is not a choice"):
@@ -161,7 +161,7 @@ def test_hf_dataset_parquet_text(tmp_path):
 
 
 def test_example_shape_prefers_chat_and_names_the_knob():
-    assert example_shape(["messages", "text"]) == "chat"
-    assert example_shape(["prompt", "completion", "id"]) == "prompt_completion"
+    assert example_shape(["messages", "text"]).name == "chat"
+    assert example_shape(["prompt", "completion", "id"]).name == "prompt_completion"
     with pytest.raises(ValueError, match="rename yours with data.source"):
         example_shape(["prompt"])
