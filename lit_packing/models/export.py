@@ -91,7 +91,7 @@ def export_merged(model: torch.nn.Module, path: str, tokenizer=None, dtype: torc
     Raises:
         TrainingError: a weight is NaN or infinite, or the merged names are not the plain model's; nothing is written.
     """
-    from transformers import AutoModelForCausalLM
+    from lit_packing.models.loading import model_class
 
     base = model.get_base_model()
     config = copy.deepcopy(base.config)
@@ -100,7 +100,7 @@ def export_merged(model: torch.nn.Module, path: str, tokenizer=None, dtype: torc
     dtype = dtype or base.get_input_embeddings().weight.dtype
     config.dtype = dtype
     with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        plain = model_class(config).from_config(config, dtype=dtype)
     parts = merged_parts(model, dtype)
     shapes = {name: t for name, t in plain.state_dict(keep_vars=True).items() if name not in _tied_keys(plain)}
     missing, unexpected = sorted(set(shapes) - set(parts)), sorted(set(parts) - set(shapes))

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
 
 from lit_packing.agree import agreed
 from lit_packing.assets import resolve_pretrained
@@ -68,6 +68,12 @@ def torch_dtype(dtype: str | None) -> torch.dtype | None:
     return getattr(torch, dtype)
 
 
+def model_class(config) -> type:
+    """The transformers auto class that builds a model of `config`, chosen here only: image-text-to-text for a
+    config with a vision tower (`vision_config`), else causal LM."""
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+
+
 class LoadedModel(NamedTuple):
     """A packed transformers model and what `pack_model` found in it."""
 
@@ -108,7 +114,7 @@ def load_causal_lm(
     if model_config is not None:
         config = _config(model_config, vocab_size)
         with _own_attention_table(config.model_type, implementation):
-            lm = AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=torch_dtype(dtype))
+            lm = model_class(config).from_config(config, attn_implementation=implementation, dtype=torch_dtype(dtype))
     else:
         path = resolve_pretrained(model)
         with _own_attention_table(model, implementation):
@@ -116,7 +122,7 @@ def load_causal_lm(
             # trainer then moves each rank's to its own device.
             quantized = {} if quantization is None else {"quantization_config": quantization.config(),
                                                          "device_map": {"": "cpu"}}  # fmt: skip
-            lm = AutoModelForCausalLM.from_pretrained(
+            lm = model_class(AutoConfig.from_pretrained(path)).from_pretrained(
                 path, attn_implementation=implementation, dtype=torch_dtype(dtype) or torch.float32, **quantized
             )
             if quantization is not None:
@@ -205,7 +211,7 @@ def model_skeleton(
         config, name = AutoConfig.from_pretrained(resolve_pretrained(name_or_path)), name_or_path
     with _own_attention_table(name, implementation):
         lm = skeleton(
-            lambda: AutoModelForCausalLM.from_config(
+            lambda: model_class(config).from_config(
                 config, attn_implementation=implementation, dtype=torch_dtype(dtype) or torch.float32
             )
         )
