@@ -54,9 +54,17 @@ KEY_INDEX = "key_index"
 GATHERED_INDEX = "gathered_index"
 CONTEXT = "context"
 # What a transformers model reads of a batch (packed or padded); the rest is for the loss and the callbacks.
+# A vision-language model's image inputs, each image's in the order of the documents that hold them
+# (`lit_packing.models.vlm`): what the family's processor makes of the batch's images.
+PIXEL_VALUES = "pixel_values"
+IMAGE_GRID_THW = "image_grid_thw"  # Qwen-VL: (images, 3) patches in time, height, width
+PIXEL_ATTENTION_MASK = "pixel_attention_mask"  # Idefics3 / SmolVLM: (1, tiles, H, W)
+IMAGE_SIZES = "image_sizes"  # LLaVA: (images, 2)
+MM_TOKEN_TYPE_IDS = "mm_token_type_ids"  # (1, T): 0 text, 1 image, 2 video
+IMAGE_KEYS = (PIXEL_VALUES, IMAGE_GRID_THW, PIXEL_ATTENTION_MASK, IMAGE_SIZES, MM_TOKEN_TYPE_IDS)
 MODEL_KEYS = (
     INPUT_IDS, ATTENTION_MASK, POSITION_IDS, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, KEY_INDEX,
-    GATHERED_INDEX, CONTEXT,
+    GATHERED_INDEX, CONTEXT, *IMAGE_KEYS,
 )  # fmt: skip
 TRUNCATED_TOKENS = "truncated_tokens"  # an example's tokens cut by the overlong policy (a tokenized column)
 # Preference pairs: a tokenized pair is one item, its chosen sequence's tokens first (`CHOSEN_TOKENS` of them), then

@@ -159,11 +159,20 @@ def pack_model(
     here = hf.device
     device = torch.device(device) if device is not None else here
     check_packing_support(hf)
+    vision = getattr(hf.config, "vision_config", None) is not None
+    if vision:  # a vision-language model: refused here, before the probe, unless the families table proves it
+        from lit_packing.models.vlm import exact_family  # vlm imports pack: imported here, not at the top
+
+        exact_family(hf.config)
     probe, routes = _probe_routes(hf, here, mixers, check)
     needs = attention_needs(hf, probe.keywords)
     chosen = _resolve(backend, device, needs)
     hf.set_attn_implementation(attn_implementation(chosen))
     admit(probe.attention)
+    if vision:  # the vision tower keeps its images' bounds, never the documents'
+        from lit_packing.models.vlm import keep_tower_apart
+
+        keep_tower_apart(hf)
     if not probe.keyed:
         _refuse_key_index(hf)
     if routes:
