@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from lit_packing.errors import AssetError
@@ -19,6 +20,7 @@ log = logging.getLogger(__name__)
 
 SMOLLM2 = "smollm2"
 GPT2_TOKENIZER = "gpt2-tokenizer"
+SMOLVLM_TINY = "smolvlm-tiny"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_DIR = "SmolLM2-135M-Instruct"
 
@@ -49,11 +51,13 @@ def resolve_pretrained(name: str, with_model: bool = True, setting: str = "model
     """Map a model/tokenizer name to something `from_pretrained` accepts.
 
     `smollm2` -> the packaged SmolLM2-135M-Instruct, converted from GGUF into the cache on first use;
-    `gpt2-tokenizer` -> the packaged GPT-2 BPE files (tokenizer only); anything else is returned unchanged
+    `gpt2-tokenizer` -> the packaged GPT-2 BPE files (tokenizer only); `smolvlm-tiny` -> a SmolVLM-shaped
+    vision-language model whose language model is SmolLM2-135M (`lit_packing.models.vlm_assets`), built into the cache
+    on first use; anything else is returned unchanged
     (a local path or a Hub name, which needs network).
 
     Args:
-        name: `smollm2`, `gpt2-tokenizer`, a local folder or a Hub id.
+        name: `smollm2`, `gpt2-tokenizer`, `smolvlm-tiny`, a local folder or a Hub id.
         with_model: for `smollm2`, also convert the weights (the tokenizer alone is much faster).
         setting: where `name` was set, for the error when it is neither a local path nor a reachable Hub id.
 
@@ -64,6 +68,8 @@ def resolve_pretrained(name: str, with_model: bool = True, setting: str = "model
         return str(_smollm2_folder(with_model))
     if name == GPT2_TOKENIZER:
         return str(_gpt2_tokenizer_folder())
+    if name == SMOLVLM_TINY:
+        return str(_smolvlm_folder(with_model))
     check_local_or_hub(name, setting)
     return name
 
@@ -164,6 +170,29 @@ def _smollm2_folder(with_model: bool) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder) + ".lock"):  # processes starting at once convert it once, none reading it half-written
         return _convert_smollm2(folder, with_model)
+
+
+def _smolvlm_folder(with_model: bool) -> Path:
+    """The default VLM's folder, built on first use in a temporary folder beside it and moved in file by file, the
+    weights last, under a file lock: processes starting at once build it once, and none reads a half-written one."""
+    from filelock import FileLock
+
+    from lit_packing.models.vlm_assets import VERSION, build_vlm
+
+    folder = cache_root() / f"SmolVLM-tiny-SmolLM2-135M-v{VERSION}"
+    needed = ("processor_config.json", "config.json", *(("model.safetensors",) if with_model else ()))
+    if all((folder / name).exists() for name in needed):
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        if all((folder / name).exists() for name in needed):  # another process built it while this one waited
+            return folder
+        with tempfile.TemporaryDirectory(dir=folder.parent, prefix=folder.name + ".") as scratch:
+            build_vlm(_smollm2_folder(with_model), scratch, with_model=with_model)
+            folder.mkdir(exist_ok=True)
+            for name in sorted(os.listdir(scratch), key=lambda n: n == "model.safetensors"):
+                shutil.move(os.path.join(scratch, name), folder / name)
+    return folder
 
 
 def _convert_smollm2(folder: Path, with_model: bool) -> Path:

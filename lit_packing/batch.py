@@ -67,6 +67,8 @@ MODEL_KEYS = (
     GATHERED_INDEX, CONTEXT, *IMAGE_KEYS,
 )  # fmt: skip
 TRUNCATED_TOKENS = "truncated_tokens"  # an example's tokens cut by the overlong policy (a tokenized column)
+LABEL_TOKENS = "label_tokens"  # an example's trained tokens (labels != -100, first label masked; a tokenized column)
+IMAGES = "images"  # an image chat's kept images as `datasets.Image` stores them (a tokenized column, an item key)
 # Preference pairs: a tokenized pair is one item, its chosen sequence's tokens first (`CHOSEN_TOKENS` of them), then
 # its rejected one's; a batch of pairs names, for each pair, the segments (rows of `cu_seq_lens_q`) of its two
 # sequences: `PAIRS` (P, 2) int64, [chosen segment, rejected segment]. With shared prompts the two are the

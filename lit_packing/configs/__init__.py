@@ -30,7 +30,7 @@ DELTAS: dict[str, str] = {
 }
 # Layers that go on top of whole configs in either order: `--config gpu --config dpo` runs as `--config dpo --config
 # gpu` (gpu.yaml's device, precision and sizes win over an objective's CPU-sized values; said in one line).
-ON_TOP: dict[str, tuple[str, ...]] = {"gpu": ("dpo", "grpo", "grpo_replay", "qlora")}
+ON_TOP: dict[str, tuple[str, ...]] = {"gpu": ("dpo", "grpo", "grpo_replay", "qlora", "vlm")}
 _NAME = re.compile(r"[\w.-]+")  # a bare name; anything else (a path, an inline YAML string) is left to jsonargparse
 
 

@@ -12,6 +12,7 @@ _HOMES = {
     "datamodule": ("PackingDataModule",),
     "encode": ("DEFAULT_CHAT_TEMPLATE",),
     "groups": ("GroupCollator",),
+    "image_collate": ("ImageChatCollator",),
     "mixture": ("Mixture",),
     "on_policy": ("OnPolicyRollouts",),
     "packaged": ("ArithmeticPrompts", "ArithmeticRollouts", "ChampChats", "ChampPairs", "ChampProblems", "Chatterbot",
@@ -23,6 +24,7 @@ _HOMES = {
     "sources": ("HFDataset", "LitData", "Source"),
     "stream": ("StreamLoader",),
     "tokenize": ("TokenizedDataset", "tokenize_dataset"),
+    "vqa": ("EasyVQA",),
 }  # fmt: skip
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_MODULE_OF)

@@ -43,7 +43,15 @@ from lit_packing.batch import StepShape
 from lit_packing.contract import DataContract, ModelContract, ReferenceSplit
 from lit_packing.data.cached import CachedFeed, check_val_split
 from lit_packing.data.collate import PackedCollator, PaddedCollator, PairCollator
-from lit_packing.data.feed import Feed, FeedSettings, data_loader, named_settings, pad_token_id, require
+from lit_packing.data.feed import (
+    Feed,
+    FeedSettings,
+    build_collator,
+    data_loader,
+    named_settings,
+    pad_token_id,
+    require,
+)
 from lit_packing.data.global_batch import (
     Accumulation,
     GlobalBatch,
@@ -53,6 +61,7 @@ from lit_packing.data.global_batch import (
     resumed_accumulation,
 )
 from lit_packing.data.groups import GroupCollator
+from lit_packing.data.image_collate import ImageChatCollator
 from lit_packing.data.mixture import Mixture
 from lit_packing.data.on_policy import OnPolicyFeed, OnPolicyRollouts
 from lit_packing.data.packaged import ChampChats
@@ -65,6 +74,9 @@ from lit_packing.errors import ConfigError, check_range
 from lit_packing.samplers import BestFitPackingSampler, PlannedBatchSampler, RunContext
 
 log = logging.getLogger(__name__)
+
+
+Collator = PackedCollator | PaddedCollator | PairCollator | GroupCollator | ImageChatCollator  # what `collator` builds
 
 
 class PackingDataModule(LightningDataModule):
@@ -93,7 +105,7 @@ class PackingDataModule(LightningDataModule):
         val_collator: the collator for validation; None uses `collator`. Set both `val_*` when training cuts or
             mixes examples (the fixed-length variants) but validation must score whole, isolated examples.
         collator: builds the collate function from the pad id: `PackedCollator`, `PaddedCollator`, `PairCollator`
-            (preference pairs) or `GroupCollator` (rollout groups) (the class, or
+            (preference pairs), `GroupCollator` (rollout groups) or `ImageChatCollator` (image chats) (the class, or
             in YAML `{class_path: lit_packing.data.PackedCollator, init_args: {pad_to_multiple_of: 64}}`; typed
             by the classes so that jsonargparse builds a factory, not an instance).
         cache_dir: where `datasets` keeps the examples and their tokenization (None: its default cache).
@@ -129,8 +141,8 @@ class PackingDataModule(LightningDataModule):
         num_workers: int = 0,
         sampler: Callable[[np.ndarray], Sampler] = BestFitPackingSampler,
         val_sampler: Callable[[np.ndarray], Sampler] | None = None,
-        collator: Callable[[int], PackedCollator | PaddedCollator | PairCollator | GroupCollator] = PackedCollator,
-        val_collator: Callable[[int], PackedCollator | PaddedCollator | PairCollator | GroupCollator] | None = None,
+        collator: Callable[[int], Collator] = PackedCollator,
+        val_collator: Callable[[int], Collator] | None = None,
         cache_dir: str | None = None,
         num_proc: int | None = None,
         on_bad_row: OnBadRow = "error",
@@ -420,7 +432,7 @@ class PackingDataModule(LightningDataModule):
         else:  # the training sampler's settings, with the value its `auto` chose
             chosen = getattr(self.train_sampler, "chosen", {})
             sampler = self._build_sampler("sampler", self.sampler, dataset.lengths, shuffle=False, **chosen)
-        collate = (self.val_collator or self.collator)(self.pad_token_id)
+        collate = build_collator(self.val_collator or self.collator, self.tokenizer)
         rank = data_parallel(self.trainer).rank if self.trainer is not None else 0
         return data_loader(dataset, sampler, collate, self.num_workers, rank)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import xxhash
-from datasets import Features, List, Value
+from datasets import Features, Image, List, Value
 
 from lit_packing.batch import (
     ADVANTAGES,
@@ -23,6 +23,7 @@ from lit_packing.batch import (
     CHOSEN_TOKENS,
     COMPLETION_TOKENS,
     IGNORE_INDEX,
+    IMAGES,
     INDEX,
     INPUT_IDS,
     LABELS,
@@ -49,7 +50,7 @@ from lit_packing.errors import ConfigError
 ROW = "row"  # the example's row as the user counts it: its line in a JSON Lines file, else its source row
 TOKEN_HASH = "token_hash"  # 64-bit XXH3 of the token ids: equal for duplicate examples
 OUTPUT_COLUMNS = [INPUT_IDS, LABELS, LENGTH, TRUNCATED_TOKENS, INDEX, LABEL_TOKENS, ROW, TOKEN_HASH, CHOSEN_TOKENS,
-                  *GROUP_OUTPUTS]  # fmt: skip
+                  *GROUP_OUTPUTS, IMAGES]  # fmt: skip
 
 FEATURES = Features(
     {
@@ -67,6 +68,7 @@ FEATURES = Features(
         ADVANTAGES: List(Value("float64")),
         TOKEN_ADVANTAGES: List(Value("float64")),
         BEHAVIOUR_LOGPS: List(Value("float64")),
+        IMAGES: List(Image(decode=False)),  # references (path or bytes), decoded by the collator in loader workers
         DROPPED: Value("string"),
         PROBLEM: Value("string"),
     }
@@ -114,12 +116,26 @@ class Encoder:
         special = set(tokenizer.all_special_ids)
         special |= {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
         self.special_ids = np.array(sorted(special), dtype=np.int64)
+        self._processor = None
         if not self.shape.chat and self.eos is None:
             raise ConfigError(
                 "data.tokenizer",
                 f"{tokenizer.name_or_path!r} has no eos_token to end {shape} examples with",
                 "use a tokenizer that has one (the model's own)",
             )
+
+    @property
+    def processor(self):
+        """The model's processor (tokenizer, image processor, chat template), from the tokenizer's folder: what
+        formats image chats. Loaded on first use, in the process that encodes."""
+        if self._processor is None:
+            from transformers import AutoProcessor
+
+            self._processor = AutoProcessor.from_pretrained(self.tokenizer.name_or_path)
+        return self._processor
+
+    def __getstate__(self) -> dict:  # a processor is loaded again where the encoder is unpickled
+        return {**self.__dict__, "_processor": None}
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> tuple[list[list[int]], list[list[int]]]:
         """A batch of chats, prompt/completions or texts (as the shape reads them) -> (ids, labels)."""
@@ -275,7 +291,7 @@ def tokenize_batch(
     fits = encoder.shape.encode(encoder, kept, [indices[k] for k in good], max_length, overlong)
     fitted = dict(zip(good, fits))
     bad = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, DROPPED: "bad", INPUT_IDS: [], LABELS: [], LENGTH: 0, CHOSEN_TOKENS: 0,
-           **NO_GROUP}  # fmt: skip
+           **NO_GROUP, IMAGES: []}  # fmt: skip
     out = []
     for k, index in enumerate(indices):
         row = fitted.get(k) or {**bad, PROBLEM: problems[k]}

@@ -142,7 +142,7 @@ class Feed(pl.Callback):
 
     def collate(self, tokenizer: Any) -> PackedCollator | PaddedCollator:
         """The training collator (`collator`), padding with the tokenizer's pad id."""
-        return self.settings.collator(pad_token_id(tokenizer))
+        return build_collator(self.settings.collator, tokenizer)
 
     @property
     def has_position(self) -> bool:
@@ -179,6 +179,15 @@ class Feed(pl.Callback):
         resumed_at = self.resumed_at
         if resumed_at is not None and resumed_at != ready_batches(trainer):
             move_epoch_position(trainer, resumed_at)
+
+
+def build_collator(factory: Callable[[int], Any], tokenizer: Any) -> Any:
+    """`factory(pad id)`, and for a collator that reads the model's processor (`ImageChatCollator`), the
+    tokenizer's folder, where the processor lies beside it."""
+    collate = factory(pad_token_id(tokenizer))
+    if hasattr(collate, "connect_processor"):
+        collate.connect_processor(tokenizer.name_or_path)
+    return collate
 
 
 def pad_token_id(tokenizer: Any) -> int:

@@ -10,6 +10,8 @@ Shapes (columns), detected by `example_shape` in this order:
     group              prompt (str or messages), completions: [str or token ids, ...], rewards: [float, ...] (or
                        advantages: [float, ...], or token_advantages: [[float per completion token], ...]),
                        optional behaviour_logps: [[float per completion token], ...] (rollout groups)
+    image_chat         messages whose content is a list of parts ({"type": "text", "text": str} or {"type": "image"}),
+                       images: [path, bytes or PIL image, one per image part] (TRL's vision layout)
     chat               messages: [{"role": "system" | "user" | "assistant", "content": str}, ...]
     prompt_completion  prompt: str, completion: str
     text               text: str
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from datasets import List, Value
+from datasets import Image, List, Value
 
 from lit_packing.batch import (
     ADVANTAGES,
@@ -33,11 +35,21 @@ from lit_packing.batch import (
     CHOSEN_TOKENS,
     COMPLETION_TOKENS,
     IGNORE_INDEX,
+    IMAGES,
     INPUT_IDS,
+    LABEL_TOKENS,
     LABELS,
     REWARDS,
     TOKEN_ADVANTAGES,
     TRUNCATED_TOKENS,
+)
+from lit_packing.data.images import (
+    IMAGE_CHAT_COLUMNS,
+    IMAGE_CHAT_FEATURES,
+    IMAGE_TOKENS,
+    Dropped,
+    encode_image_chat,
+    image_problem,
 )
 from lit_packing.data.problems import (
     PER_TOKEN,
@@ -49,7 +61,7 @@ from lit_packing.data.problems import (
 )
 from lit_packing.errors import DataError
 
-__all__ = ["CHAT", "GROUP", "PREFERENCE", "PROMPT_COMPLETION", "ROLES", "SHAPES", "TEXT", "ExampleShape",
+__all__ = ["CHAT", "GROUP", "IMAGE_CHAT", "PREFERENCE", "PROMPT_COMPLETION", "ROLES", "SHAPES", "TEXT", "ExampleShape",
            "as_messages", "example_shape", "shape_named"]  # fmt: skip
 
 # A rollout group's columns besides its shape's: a score per completion (rewards or advantages) or per completion
@@ -64,7 +76,6 @@ MESSAGES = List({"role": Value("string"), "content": Value("string")})  # the Ar
 
 # Columns of the tokenized table an example's fit writes besides its tokens (`lit_packing.data.encode`).
 LENGTH = "length"
-LABEL_TOKENS = "label_tokens"  # trained tokens of the example (labels != -100, its first label masked)
 DROPPED = "dropped"  # "", "bad", "overlong" or "no_labels"
 # A preference pair is one row: its chosen sequence's `chosen_tokens` tokens, then its rejected one's (0: not a pair).
 # A rollout group is one row: its prompt's tokens once, then each completion's (`completion_tokens` of them), with a
@@ -73,7 +84,7 @@ DROPPED = "dropped"  # "", "bad", "overlong" or "no_labels"
 GROUP_OUTPUTS = [COMPLETION_TOKENS, REWARDS, ADVANTAGES, TOKEN_ADVANTAGES, BEHAVIOUR_LOGPS]
 NO_GROUP = {name: [] for name in GROUP_OUTPUTS}
 _EMPTY = {TRUNCATED_TOKENS: 0, LABEL_TOKENS: 0, DROPPED: "", PROBLEM: "", INPUT_IDS: [], LABELS: [], LENGTH: 0,
-          CHOSEN_TOKENS: 0, **NO_GROUP}  # fmt: skip
+          CHOSEN_TOKENS: 0, **NO_GROUP, IMAGES: []}  # fmt: skip
 
 
 def as_messages(value: object, role: str) -> list[dict]:
@@ -108,6 +119,10 @@ class ExampleShape:
     def problem(self, example: dict) -> str:
         """What makes one example untrainable, or "" when it is fine."""
         raise NotImplementedError
+
+    def readable(self, dataset):
+        """`dataset` (a `datasets.Dataset` of this shape) as `encode` reads it."""
+        return dataset
 
     def held(self, record: dict, problem: str) -> dict:
         """A read record's columns as `features` holds them; empty ones for a bad record (`problem`)."""
@@ -224,10 +239,45 @@ class GroupShape(ExampleShape):
         return [fit_group(e, x, y, n, max_length) for e, x, y, n in zip(examples, ids, labels, sizes)]
 
 
-PREFERENCE, GROUP, CHAT, PROMPT_COMPLETION, TEXT = (
-    PreferenceShape(), GroupShape(), ChatShape(), PromptCompletionShape(), TextShape()
+class ImageChatShape(ExampleShape):
+    """A chat whose turns hold text and image parts, and its `images` (TRL's vision layout), formatted by the model's
+    processor (`lit_packing.data.images`); its images travel with it, decoded in the loader workers by
+    `ImageChatCollator`. An image is never cut: `data.overlong=truncate` ends an example before it."""
+
+    name, columns, features, chat = "image_chat", IMAGE_CHAT_COLUMNS, IMAGE_CHAT_FEATURES, True
+
+    def problem(self, example: dict) -> str:
+        return image_problem(example)
+
+    def readable(self, dataset):  # images as references: decoded by `encode`, an unreadable one named by its row
+        feature = dataset.features.get("images")
+        if isinstance(feature, List) and isinstance(feature.feature, Image) and feature.feature.decode:
+            return dataset.cast_column("images", List(Image(decode=False)))
+        return dataset
+
+    def held(self, record: dict, problem: str) -> dict:
+        return {"messages": [] if problem else record["messages"], "images": [] if problem else record["images"]}
+
+    def encode(self, encoder, batch, indices, max_length, overlong):
+        rows = []
+        for k in range(len(indices)):
+            example = {name: batch[name][k] for name in batch}
+            got = encode_image_chat(encoder.processor, example, max_length, overlong)
+            if isinstance(got, Dropped):
+                rows.append({**_EMPTY, DROPPED: got.kind, PROBLEM: got.problem})
+                continue
+            ids = [int(x) for x in got[INPUT_IDS]]
+            rows.append({**_EMPTY, INPUT_IDS: ids, LABELS: [int(x) for x in got[LABELS]], LENGTH: len(ids),
+                         TRUNCATED_TOKENS: got[TRUNCATED_TOKENS], LABEL_TOKENS: got[LABEL_TOKENS],
+                         IMAGES: list(example["images"])[: len(got[IMAGE_TOKENS])]})  # fmt: skip
+        return rows
+
+
+PREFERENCE, GROUP, IMAGE_CHAT, CHAT, PROMPT_COMPLETION, TEXT = (
+    PreferenceShape(), GroupShape(), ImageChatShape(), ChatShape(), PromptCompletionShape(), TextShape()
 )  # fmt: skip
-SHAPES = (PREFERENCE, GROUP, CHAT, PROMPT_COMPLETION, TEXT)  # detection order: the most specific columns first
+# Detection order: the most specific columns first (an image chat's `messages` + `images` before a chat's).
+SHAPES = (PREFERENCE, GROUP, IMAGE_CHAT, CHAT, PROMPT_COMPLETION, TEXT)
 
 
 def shape_named(name: str) -> ExampleShape:
@@ -249,7 +299,8 @@ def example_shape(column_names: list[str], knob: str = "data.source") -> Example
             return shape
     raise DataError(
         f"no known example shape in columns {sorted(column_names)}: need `messages` (chat), `prompt` + `completion`, "
-        f"`text`, `prompt` + `chosen` + `rejected` (preference pairs) or `prompt` + `completions` (rollout groups); "
+        f"`text`, `prompt` + `chosen` + `rejected` (preference pairs), `prompt` + `completions` (rollout groups) or "
+        f"`messages` + `images` (image chats); "
         f"rename yours with {knob}, e.g. field_map: "
         f"{{question: prompt, answer: completion}}"
     )

@@ -33,6 +33,7 @@ from typing import Any, Literal, NamedTuple
 
 import datasets
 import numpy as np
+import pyarrow.compute as pc
 import torch
 
 from lit_packing._compat import dataset_fingerprint
@@ -42,6 +43,7 @@ from lit_packing.batch import (
     CHOSEN_TOKENS,
     COMPLETION_TOKENS,
     IGNORE_INDEX,
+    IMAGES,
     INDEX,
     INPUT_IDS,
     LABELS,
@@ -71,8 +73,8 @@ from lit_packing.text import count
 log = logging.getLogger(__name__)
 
 # Bump when the tokens or labels this module or `encode` produces change: every cached tokenization is rebuilt.
-TOKENIZE_VERSION = "5"  # 3: the chosen_tokens column (preference pairs); 4: rollout groups' columns; 5: per-token
-# advantages
+TOKENIZE_VERSION = "6"  # 3: the chosen_tokens column (preference pairs); 4: rollout groups' columns; 5: per-token
+# advantages; 6: the images column (image chats)
 
 Overlong = Literal["truncate", "drop", "error"]
 TrainOn = Literal["completion", "all"]
@@ -202,7 +204,8 @@ def tokenize_dataset(
             "%s: tokenizing %s (once: later runs with the same settings read the cache)",
             announce, count(len(dataset), "example"),
         )  # fmt: skip
-    mapped = _map(dataset, tokenizer, shape, template, max_length, overlong, train_on, num_proc, rows, fingerprint)
+    readable = shape.readable(dataset)
+    mapped = _map(readable, tokenizer, shape, template, max_length, overlong, train_on, num_proc, rows, fingerprint)
     if folder is not None:
         write_record(folder, fingerprint)
     report = _report(mapped)
@@ -252,7 +255,10 @@ class TokenizedDataset(torch.utils.data.Dataset):
         first = dataset[0] if len(dataset) else {}
         self.pairs = bool(first.get(CHOSEN_TOKENS))
         self.groups = bool(first.get(COMPLETION_TOKENS))
-        extra = [CHOSEN_TOKENS] * self.pairs + GROUP_OUTPUTS * self.groups
+        # image chats: the table's image column holds any image (its list lengths read, not the images)
+        held = dataset.data.column(IMAGES) if IMAGES in dataset.column_names else None
+        self.images = held is not None and bool(pc.max(pc.list_value_length(held)).as_py())
+        extra = [CHOSEN_TOKENS] * self.pairs + GROUP_OUTPUTS * self.groups + [IMAGES] * self.images
         self.dataset = dataset.with_format("arrow", columns=columns + extra)
         self._lengths: np.ndarray | None = None
         self._label_tokens: np.ndarray | None = None
@@ -301,6 +307,8 @@ class TokenizedDataset(torch.utils.data.Dataset):
         }
         if start == 0:
             item[TRUNCATED_TOKENS] = row.column(TRUNCATED_TOKENS)[0].as_py()
+        if self.images:  # a slice of an image chat is no document the model can see whole: the collator refuses it
+            item[IMAGES] = row.column(IMAGES)[0].as_py() if start == 0 and stop is None else None
         if self.pairs and start == 0 and stop is None:  # a slice of a pair is no pair: the collator refuses it
             item[CHOSEN_TOKENS] = row.column(CHOSEN_TOKENS)[0].as_py()
         if self.groups and start == 0 and stop is None:  # as for pairs: a slice of a group is no group

@@ -234,19 +234,43 @@ def pack_vlm_documents(
         DataError: a document's image tokens do not match its images (an image cut by truncation), or it has videos.
     """
     config = model_or_config if isinstance(model_or_config, PretrainedConfig) else model_or_config.config
+    docs = [{**d, INPUT_IDS: torch.as_tensor(d[INPUT_IDS]).reshape(-1)} for d in documents]
+    docs = [d for d in docs if len(d[INPUT_IDS])]
+    labels = [d.get(LABELS) for d in docs]
+    batch = PackedCollator().collate_examples([
+        {INPUT_IDS: d[INPUT_IDS].numpy(), LABELS: (d[INPUT_IDS].masked_fill(d[INPUT_IDS] == config.image_token_id,
+         IGNORE_INDEX) if y is None else torch.as_tensor(y).reshape(-1)).numpy()} for d, y in zip(docs, labels)
+    ])  # fmt: skip
+    return add_images(batch, model_or_config, docs)
+
+
+def add_images(
+    batch: dict[str, Any], model_or_config: PreTrainedModel | PretrainedConfig, documents: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """A packed row of `documents` (`batch`, as `PackedCollator` made it from their ids, tail padding included) with
+    their images: the image tensors concatenated in document order and, for mRoPE families, each document's
+    positions computed alone (tail padding positions 0, 1, ... on every row). `documents` as `pack_vlm_documents`
+    takes them, empty ones left out.
+
+    Raises:
+        ConfigError, DataError: as `pack_vlm_documents`.
+    """
+    config = model_or_config if isinstance(model_or_config, PretrainedConfig) else model_or_config.config
     family = exact_family(config)
-    docs = [d for d in (_document(doc, i, family, config) for i, doc in enumerate(documents)) if len(d[INPUT_IDS])]
-    batch = PackedCollator().collate_examples(
-        [{INPUT_IDS: d[INPUT_IDS].numpy(), LABELS: d[LABELS].numpy()} for d in docs]
-    )
+    docs = [_document(doc, i, family, config) for i, doc in enumerate(documents)]
+    total = batch[INPUT_IDS].shape[-1]
     if family.route != "1d":
-        batch[POSITION_IDS] = mrope_positions(rope_index_owner(model_or_config), docs, family.route)
+        positions = mrope_positions(rope_index_owner(model_or_config), docs, family.route)  # (rows, 1, L)
+        pad = total - positions.shape[-1]
+        tail = torch.arange(pad, dtype=positions.dtype).expand(positions.shape[0], 1, pad)
+        batch[POSITION_IDS] = torch.cat([positions, tail], dim=-1)
     for key, axis in family.layout.keys:
         present = [d[key] for d in docs if key in d]
         if present:
             batch[key] = torch.cat(present, dim=axis)
     if any(MM_TOKEN_TYPE_IDS in d for d in docs):
-        batch[MM_TOKEN_TYPE_IDS] = torch.cat([d[MM_TOKEN_TYPE_IDS] for d in docs])[None]
+        types = torch.cat([d[MM_TOKEN_TYPE_IDS] for d in docs])
+        batch[MM_TOKEN_TYPE_IDS] = torch.nn.functional.pad(types, (0, total - len(types)))[None]
     return batch
 
 

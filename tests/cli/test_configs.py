@@ -61,6 +61,13 @@ def saved_tiny(tmp_path: Path) -> Path:
     return folder
 
 
+def saved_tiny_vlm(tmp_path: Path) -> Path:
+    """A SmolVLM-shaped model around the tiny language model (`vlm_assets.build_vlm`: a 2-layer vision tower)."""
+    from lit_packing.models.vlm_assets import build_vlm
+
+    return build_vlm(saved_tiny(tmp_path), tmp_path / "tiny_vlm")
+
+
 def pack_cap(files: list[Path]) -> list[str]:
     """Packs of at most 4,096 tokens where the config packs by tokens: a 32k-token pack's fp32 logits over SmolLM2's
     vocabulary take 6 GiB, and their gradients as much again, even with the tiny model; fixed-length rows one a step
@@ -126,6 +133,11 @@ def test_config_fits_with_fast_dev_run(files, tmp_path, monkeypatch, every_core)
     if files[-1].stem == "qlora":  # weights quantize as a saved model loads: the tiny model, saved
         overrides = [arg for arg in overrides if not arg.startswith("--model.model_config")]
         overrides += [f"--model.name_or_path={saved_tiny(tmp_path)}", f"--model.export_dir={tmp_path / 'export'}"]
+    if files[-1].stem == "vlm":  # image chats: the tiny model as a VLM's language model, 120 questions
+        overrides = [arg for arg in overrides if not arg.startswith("--model.model_config")]
+        folder = saved_tiny_vlm(tmp_path)
+        overrides += [f"--model.name_or_path={folder}"]  # the tokenizer (and its processor) follow the model
+        overrides += ["--data.source.init_args.limit=120"]
     cli = cli_main(["fit", *configs, *overrides, *pack_cap(files), *one_rank])
     assert cli.trainer.state.finished
     assert cli.trainer.global_step == 2
