@@ -107,7 +107,9 @@ class ExampleShape:
         features: the Arrow types a source holds its columns as (a text side of a pair as one turn of messages).
         chat: rendered through the chat template.
         atom: what an example is when it is trained whole or not at all ("preference pairs"): never cut by
-            `data.overlong=truncate`, not carried by stream windows yet; "" when an example may be cut.
+            `data.overlong=truncate`; "" when an example may be cut.
+        unstreamed: what these examples are called where stream windows do not carry them yet (`data.streaming`);
+            "" when they stream.
     """
 
     name = ""
@@ -115,6 +117,7 @@ class ExampleShape:
     features: dict[str, Any] = {}
     chat = False
     atom = ""
+    unstreamed = ""
 
     def problem(self, example: dict) -> str:
         """What makes one example untrainable, or "" when it is fine."""
@@ -191,6 +194,7 @@ class ChatShape(ExampleShape):
 
 class PreferenceShape(ExampleShape):
     name, columns, chat, atom = "preference", ("prompt", "chosen", "rejected"), True, "preference pairs"
+    unstreamed = atom
     features = {"prompt": MESSAGES, "chosen": MESSAGES, "rejected": MESSAGES}  # text sides as one turn each
 
     def problem(self, example: dict) -> str:
@@ -207,6 +211,7 @@ class PreferenceShape(ExampleShape):
 
 class GroupShape(ExampleShape):
     name, columns, chat, atom = "group", ("prompt", "completions"), True, "rollout groups"
+    unstreamed = atom
     features = {
         "prompt": MESSAGES,
         "completions": List(Value("string")),
@@ -245,6 +250,7 @@ class ImageChatShape(ExampleShape):
     `ImageChatCollator`. An image is never cut: `data.overlong=truncate` ends an example before it."""
 
     name, columns, features, chat = "image_chat", IMAGE_CHAT_COLUMNS, IMAGE_CHAT_FEATURES, True
+    unstreamed = "image chats"
 
     def problem(self, example: dict) -> str:
         return image_problem(example)

@@ -143,10 +143,10 @@ class SourceRows:
         if not self.shards:
             raise DataError(f"{source!r} has no shards to stream: check data.source (its path or data_files)")
         self.shape = source.shape(self.shards)
-        if self.shape.atom:
+        if self.shape.unstreamed:
             raise ConfigError(
                 "data.streaming",
-                f"{source!r} holds {self.shape.atom}, which stream windows do not carry yet",
+                f"{source!r} holds {self.shape.unstreamed}, which stream windows do not carry yet",
                 "set data.streaming=false (they are tokenized and cached once)",
             )
         self.held = list(held) + [0] * (len(self.shards) - len(held))

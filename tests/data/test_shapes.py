@@ -25,6 +25,7 @@ def test_a_held_bad_row_fits_the_features_of_its_shape():
 
 def test_only_whole_examples_are_atoms_and_chats_read_the_template():
     assert [s.name for s in SHAPES if s.atom] == ["preference", "group"]
+    assert [s.name for s in SHAPES if s.unstreamed] == ["preference", "group", "image_chat"]
     assert {s.name for s in SHAPES if s.chat} == {"preference", "group", "image_chat", "chat"}
     assert example_problem("chat", {"messages": [{"role": "user", "content": "Hi"}]}) == "no assistant turn"
     assert CHAT.problem({"messages": [{"role": "user", "content": "Hi"}]}) == "no assistant turn"
