@@ -72,6 +72,8 @@ class DataContract:
             the cached path.
         reference_split: `train`, `val` or `test` -> that split's stored preference pairs or rollout groups
             (`ReferenceSplit`), None where it holds none; None for a stream.
+        processor: the model's processor beside the tokenizer (image processor, chat template) for a
+            vision-language model, which the model exports with its weights; None for a text model.
     """
 
     tokenizer: Any
@@ -82,6 +84,7 @@ class DataContract:
     overlap_examples: int = 0
     sources: tuple[tuple[str, float], ...] = ()
     reference_split: Callable[[str], ReferenceSplit | None] | None = None
+    processor: Any = None
 
 
 @dataclass(frozen=True)

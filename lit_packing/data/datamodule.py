@@ -197,6 +197,7 @@ class PackingDataModule(LightningDataModule):
             self._feed_settings()
         )
         self._tokenizer = None
+        self._processor = None
         self.contract: DataContract | None = None  # published by `setup`
         self.model_contract: ModelContract | None = None  # what the model publishes (`connect_model`)
         self._auto_chosen: dict[str, int] = {}  # what a sampler's `auto` setting was sized to
@@ -224,6 +225,20 @@ class PackingDataModule(LightningDataModule):
             folder = resolve_pretrained(self.tokenizer_name, with_model=False, setting="data.tokenizer")
             self._tokenizer = AutoTokenizer.from_pretrained(folder)
         return self._tokenizer
+
+    @property
+    def processor(self):
+        """The model's processor (image processor, chat template, tokenizer) where the tokenizer's folder holds one
+        (a vision-language model's), loaded on first use; None for a text model."""
+        if self._processor is None:
+            folder = Path(resolve_pretrained(self.tokenizer_name, with_model=False, setting="data.tokenizer"))
+            if any((folder / name).exists() for name in ("processor_config.json", "preprocessor_config.json")):
+                from transformers import AutoProcessor
+
+                self._processor = AutoProcessor.from_pretrained(folder)
+            else:
+                self._processor = False  # looked for once
+        return self._processor or None
 
     @property
     def vocab_size(self) -> int:
@@ -301,8 +316,9 @@ class PackingDataModule(LightningDataModule):
                 trainer.callbacks.append(self.feed)
         if self.contract is None:
             self.contract = dataclasses.replace(
-                self.feed.publish(stage, self.tokenizer, trainer), reference_split=self._reference_split
-            )
+                self.feed.publish(stage, self.tokenizer, trainer), reference_split=self._reference_split,
+                processor=self.processor,
+            )  # fmt: skip
 
     def teardown(self, stage: str) -> None:
         """Detach the feed that `setup` attached: a later fit of the same trainer aligns with its own data."""

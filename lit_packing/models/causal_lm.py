@@ -485,7 +485,8 @@ class PackedCausalLM(LightningModule):
     def export(self, path: str) -> None:
         """Write the model as a Hugging Face folder (LoRA: merged, or its adapters) with the tokenizer (`export_lm`);
         sharded, a collective that no rank holds the whole model in."""
-        trainer, tokenizer = attached_trainer(self), self._data.tokenizer if self._data is not None else None
+        trainer, data = attached_trainer(self), self._data
+        tokenizer = None if data is None else data.processor or data.tokenizer  # a VLM's processor holds its tokenizer
         pretrained = self.hparams.name_or_path if self.hparams.model_config is None else None
         export_lm(self.model, path, tokenizer, pretrained, writer=trainer is None or trainer.is_global_zero,
                   adapters_only=self.hparams.export_adapters_only)  # fmt: skip

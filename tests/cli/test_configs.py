@@ -137,9 +137,14 @@ def test_config_fits_with_fast_dev_run(files, tmp_path, monkeypatch, every_core)
         overrides = [arg for arg in overrides if not arg.startswith("--model.model_config")]
         folder = saved_tiny_vlm(tmp_path)
         overrides += [f"--model.name_or_path={folder}"]  # the tokenizer (and its processor) follow the model
-        overrides += ["--data.source.init_args.limit=120"]
+        overrides += ["--data.source.init_args.limit=120", f"--model.export_dir={tmp_path / 'export'}"]
     cli = cli_main(["fit", *configs, *overrides, *pack_cap(files), *one_rank])
     assert cli.trainer.state.finished
+    if files[-1].stem == "vlm":  # exported with its processor: the folder loads as the VLM and processor it was
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        assert AutoProcessor.from_pretrained(tmp_path / "export").image_processor is not None
+        assert AutoModelForImageTextToText.from_pretrained(tmp_path / "export").config.model_type == "idefics3"
     assert cli.trainer.global_step == 2
     assert cli.trainer.callback_metrics["train/loss"].isfinite()
 
