@@ -16,6 +16,7 @@ Validation logs `val/loss`, `val/perplexity` and `val/token_accuracy`, on which 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -55,11 +56,11 @@ from lit_packing.models.materialize import deferring, is_meta
 from lit_packing.models.memory import MemoryEstimate, check_fit_memory
 from lit_packing.models.mixers import MixerChoice
 from lit_packing.models.numerics import finite_step
-from lit_packing.models.objectives import Objective, make_objective
+from lit_packing.models.objectives import ModelHandle, Objective, make_objective
 from lit_packing.models.optim import adamw_and_schedule
 from lit_packing.models.pack import pack_model
 from lit_packing.models.quantize import QuantizationKind, check_quantized_strategy
-from lit_packing.models.reference import CHECKPOINT_KEY, PrecomputedReference, weights_fingerprint
+from lit_packing.models.reference import CHECKPOINT_KEY, PrecomputedReference, reference_forward, weights_fingerprint
 from lit_packing.models.selftest import check_isolation
 from lit_packing.models.sharding import clip_grad_norm, is_sharded, shard_count, sync_gradients
 from lit_packing.models.weights import check_checkpoint_weights, check_token_ids, describe_model
@@ -214,7 +215,6 @@ class PackedCausalLM(LightningModule):
         self._data: DataContract | None = None  # what the data publishes (`connect_data`)
 
     # Setup: the build's later steps, the data's contract, checkpoints
-
     @property
     def attn_backend(self) -> str:
         """The attention backend the model runs now (`auto` resolved)."""
@@ -404,13 +404,25 @@ class PackedCausalLM(LightningModule):
         """What the loss reads: full logits (`loss_impl=full`) or `HeadInputs`."""
         return self(batch) if self.hparams.loss_impl == "full" else self.head_inputs(batch)
 
+    @property
+    def handle(self) -> ModelHandle:
+        """What the objective sees of this model: its forwards, the reference, the step it is on."""
+        trainer, reference = attached_trainer(self), functools.partial(reference_forward, self)
+        if trainer is None:
+            return ModelHandle(self.loss_outputs, reference, self.precomputed)
+        many = trainer.world_size > 1
+        return ModelHandle(self.loss_outputs, reference, self.precomputed, lambda: trainer.global_step,
+                           lambda: str(trainer.precision),
+                           lambda t: trainer.strategy.reduce(t.to(self.device), reduce_op="max") if many else t,
+                           lambda name, value: self.log(name, value, on_step=True, on_epoch=False))  # fmt: skip
+
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
-        parts, metrics = self.objective.loss(self, batch)
+        parts, metrics = self.objective.loss(self.handle, batch)
         normalizer = step_normalizer(batch, parts, self.objective.normalizer, self.trainer.world_size,
                                      self.trainer.accumulate_grad_batches)  # fmt: skip
         self._metric_names = list(metrics)
         values = [parts.token_loss_sum, parts.label_tokens, *(v for pair in metrics.values() for v in pair)]
-        dtype = _accumulator_dtype(parts.objective.device)
+        dtype = torch.float32 if parts.objective.device.type == "mps" else torch.float64  # MPS has no float64
         local = torch.stack([value.detach().to(dtype) for value in values])
         self._step_totals = local if self._step_totals is None else self._step_totals + local
         trainer = self.trainer
@@ -437,14 +449,12 @@ class PackedCausalLM(LightningModule):
             if count > 0:  # a metric of some steps only (an on-policy round's first) is logged on those
                 means[name] = total / count
                 self.log(f"train/{name}", means[name], on_step=True, on_epoch=False)
-        self.objective.check_step(self, {name: float(value) for name, value in means.items()})
+        self.objective.check_step(self.handle, {name: float(value) for name, value in means.items()})
 
     def configure_gradient_clipping(
-        self,
-        optimizer: torch.optim.Optimizer,
-        gradient_clip_val: float | None = None,
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         """Sharded, clip by the norm of the whole gradient (`sharding.clip_grad_norm`: torch's own cannot combine
         the norms of tensor-parallel and replicated DTensor gradients); otherwise as Lightning does."""
         if is_sharded(self.model) and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
@@ -459,7 +469,7 @@ class PackedCausalLM(LightningModule):
         self._eval_step(batch, "test")
 
     def _eval_step(self, batch: Mapping[str, Any], stage: str) -> None:
-        self.eval_totals.update(stage, *self.objective.evaluate(self, batch, stage))
+        self.eval_totals.update(stage, *self.objective.evaluate(self.handle, batch, stage))
 
     def on_validation_epoch_end(self) -> None:
         self._log_eval("val")
@@ -467,13 +477,11 @@ class PackedCausalLM(LightningModule):
     def on_test_epoch_end(self) -> None:
         self._log_eval("test")
 
-    def _log_eval(self, stage: str) -> None:
-        loss, accuracy = self.eval_totals.compute(stage)  # over every step and rank, then reset
+    def _log_eval(self, stage: str) -> None:  # over every step and rank, then reset
+        loss, accuracy = self.eval_totals.compute(stage)
         self.log(f"{stage}/loss", loss, prog_bar=True)
         for name in self.objective.eval_metrics:
             self.log(f"{stage}/{name}", loss.exp() if name == "perplexity" else accuracy)
-
-    # Optimizer, export
 
     def configure_optimizers(self):
         return adamw_and_schedule(self, self.hparams)
@@ -490,7 +498,3 @@ class PackedCausalLM(LightningModule):
         pretrained = self.hparams.name_or_path if self.hparams.model_config is None else None
         export_lm(self.model, path, tokenizer, pretrained, writer=trainer is None or trainer.is_global_zero,
                   adapters_only=self.hparams.export_adapters_only)  # fmt: skip
-
-
-def _accumulator_dtype(device: torch.device) -> torch.dtype:
-    return torch.float32 if device.type == "mps" else torch.float64

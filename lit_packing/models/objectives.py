@@ -6,22 +6,23 @@
         class_path: lit_packing.models.GRPO
         init_args: {loss_type: dapo, epsilon: 0.2}
 
-An objective says what it reads from a batch and which forwards it runs (the policy; a reference through
-`reference.reference_logps`), returns its loss as a sum over the micro-batch with the sums of its metrics, names
-the optimizer step's total it is divided by (`normalizer`: a key of `batch["step"]`, counted by the plan on the host
-before the step, so the split of a step into micro-batches and ranks never changes the gradient), and evaluates.
+An objective sees the model through a narrow handle (`ModelHandle`: the policy's forward, the reference's, the
+precomputed reference tables, and the step it is on), says what it reads from a batch, returns its loss as a sum
+over the micro-batch with the sums of its metrics, names the optimizer step's total it is divided by (`normalizer`:
+a key of `batch["step"]`, counted by the plan on the host before the step, so the split of a step into
+micro-batches and ranks never changes the gradient), and evaluates.
 `PackedCausalLM` calls these and nothing else; it never branches on an objective's name.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from lit_packing._compat import attached_trainer
 from lit_packing.batch import (
     ADVANTAGES,
     BEHAVIOUR_LOGPS,
@@ -31,6 +32,7 @@ from lit_packing.batch import (
     PAIRS,
     REWARDS,
     ROUND,
+    ROWS,
     TOKEN_ADVANTAGES,
 )
 from lit_packing.errors import ConfigError, DataError, TrainingError, check_range
@@ -50,7 +52,6 @@ from lit_packing.models.preference import (
     preference_metrics,
     preference_settings,
 )
-from lit_packing.models.reference import reference_forward, reference_logps
 
 REFERENCES = ("precomputed", "copy", "lora")  # model.reference: where an objective takes reference log-probs from
 FULL_PRECISION = ("32-true", "64-true", "32", "64")  # where the sampler's and the trainer's log-probs agree to rounding
@@ -59,6 +60,30 @@ FULL_PRECISION = ("32-true", "64-true", "32", "64")  # where the sampler's and t
 # precision's own error in half precision (0.030 measured: SmolLM2-135M sampling in fp32, training in bf16-mixed;
 # fp16 keeps 3 bits more): a sampler that tokenizes or computes otherwise is off by whole nats where it errs.
 SAMPLER_TOLERANCE = {"64": 1e-3, "32": 1e-3, "16": 0.05, "bf16": 0.1}
+
+
+@dataclass(frozen=True)
+class ModelHandle:
+    """What an objective sees of the model it trains (`PackedCausalLM.handle`), and nothing else of it.
+
+    Attributes:
+        outputs: the policy's forward: what the loss reads of a batch (logits, or the head's inputs).
+        reference: `reference(batch, read)`: `read(outputs, batch)` of the reference model's forward, no gradient
+            (the frozen copy, or the model with its adapter off).
+        precomputed: the reference's precomputed tables (`reference.PrecomputedReference`), or None.
+        step: the optimizer step the trainer is on (-1 outside a fit).
+        precision: the trainer's precision (`bf16-mixed`; `32-true` outside a fit).
+        reduce_max: a tensor's maximum over every rank (the tensor itself on one).
+        log: logs a step metric (`train/...`).
+    """
+
+    outputs: Callable[[Mapping[str, Any]], Any]
+    reference: Callable[[Mapping[str, Any], Callable[[Any, Mapping[str, Any]], Any]], Any]
+    precomputed: Any = None
+    step: Callable[[], int] = lambda: -1
+    precision: Callable[[], str] = lambda: "32-true"
+    reduce_max: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+    log: Callable[[str, torch.Tensor], None] = lambda name, value: None
 
 
 def sampler_tolerance(precision: str) -> float:
@@ -96,17 +121,19 @@ class Objective:
             raise ConfigError("reference", "lora takes the reference from the model with its adapter disabled",
                               "set {lora} (LoraConfig kwargs) or {reference}=copy")  # fmt: skip
 
-    def loss(self, lm, batch: Mapping[str, Any]) -> tuple[LossParts, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    def loss(
+        self, model: ModelHandle, batch: Mapping[str, Any]
+    ) -> tuple[LossParts, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
         """This micro-batch's `LossParts` (`objective` is the sum to divide by the step's `normalizer` total,
         `token_loss_sum` / `label_tokens` what `train/loss` logs) and its metrics as (sum, count) each: logged as
         the step's sum over its count, over every micro-batch and rank."""
         raise NotImplementedError
 
-    def evaluate(self, lm, batch: Mapping[str, Any], stage: str) -> tuple[torch.Tensor, ...]:
+    def evaluate(self, model: ModelHandle, batch: Mapping[str, Any], stage: str) -> tuple[torch.Tensor, ...]:
         """Validation sums of a batch: (loss sum, count, correct), summed over steps and ranks by `EvalTotals`."""
         raise NotImplementedError
 
-    def check_step(self, lm, metrics: Mapping[str, float]) -> None:
+    def check_step(self, model: ModelHandle, metrics: Mapping[str, float]) -> None:
         """Stop the run where a step's metrics (means over the step's micro-batches and ranks, the same on every
         rank) show it cannot be trained as it should: nothing to check by default."""
 
@@ -147,13 +174,13 @@ class SFT(Objective):
         self.normalization = normalization
         self.normalizer = "label_tokens" if normalization == "token" else "sequences"
 
-    def loss(self, lm, batch):
+    def loss(self, model, batch):
         check_batch(self, batch, None)
-        return causal_lm_loss(lm.loss_outputs(batch), batch, self.normalization), {}
+        return causal_lm_loss(model.outputs(batch), batch, self.normalization), {}
 
-    def evaluate(self, lm, batch, stage):
+    def evaluate(self, model, batch, stage):
         check_batch(self, batch, None)
-        return eval_sums(lm.loss_outputs(batch), batch[LABELS])
+        return eval_sums(model.outputs(batch), batch[LABELS])
 
 
 class Preference(Objective):
@@ -167,20 +194,26 @@ class Preference(Objective):
         self.settings = settings
         self.needs_reference = settings.needs_reference
 
-    def parts(self, lm, batch, stage: str):
-        """The policy's log-probs of the batch's pairs against the reference's (`reference.reference_logps`)."""
+    def parts(self, model, batch, stage: str):
+        """The policy's log-probs of the batch's pairs against the reference's: read from the precomputed table, or
+        computed by the reference's forward; none for an objective without a reference (simpo, orpo)."""
         check_batch(self, batch, PAIRS)
-        policy = pair_logps(lm.loss_outputs(batch), batch)
-        return preference_loss(policy, reference_logps(lm, batch, stage, policy), self.settings)
+        policy = pair_logps(model.outputs(batch), batch)
+        reference = None
+        if model.precomputed is not None:
+            reference = model.precomputed.lookup(stage, batch.get(ROWS, []), policy)
+        elif self.needs_reference:
+            reference = model.reference(batch, pair_logps)
+        return preference_loss(policy, reference, self.settings)
 
-    def loss(self, lm, batch):
-        parts = self.parts(lm, batch, "train")
+    def loss(self, model, batch):
+        parts = self.parts(model, batch, "train")
         pairs = torch.tensor(float(len(parts.chosen_rewards)), device=parts.loss_sum.device)
         metrics = {name: (total, pairs) for name, total in preference_metrics(parts).items()}
         return LossParts(parts.loss_sum, pairs, parts.loss_sum, pairs), metrics
 
-    def evaluate(self, lm, batch, stage):
-        parts = self.parts(lm, batch, stage)
+    def evaluate(self, model, batch, stage):
+        parts = self.parts(model, batch, stage)
         pairs = torch.tensor(len(parts.chosen_rewards), device=parts.loss_sum.device)
         return parts.loss_sum, pairs, (parts.chosen_rewards > parts.rejected_rewards).sum()
 
@@ -251,12 +284,12 @@ class GRPO(Objective):
         self.temperature = temperature
         self._largest: tuple[int, torch.Tensor] | None = None  # (step, this rank's largest sampler difference on it)
 
-    def parts(self, lm, batch, stage: str = "train"):
+    def parts(self, model, batch, stage: str = "train"):
         """The loss parts of a group batch, the completions' advantages, and the policy's distance from the sampler
         on an on-policy round's first step (`check_step`)."""
         check_batch(self, batch, COMPLETIONS)
         temperature = self.settings.temperature
-        policy = completion_logps(lm.loss_outputs(batch), batch, temperature)
+        policy = completion_logps(model.outputs(batch), batch, temperature)
         device = policy.logps.device
         if TOKEN_ADVANTAGES in batch:  # the data's, per completion token
             advantages = batch[TOKEN_ADVANTAGES].to(device)
@@ -274,10 +307,10 @@ class GRPO(Objective):
         behaviour = batch[BEHAVIOUR_LOGPS].to(device) if BEHAVIOUR_LOGPS in batch else None
         old, weights, difference = self.old_logps(policy.logps, behaviour, batch.get(ROUND))
         reference = None
-        if self.needs_reference and lm.precomputed is not None:
-            reference = lm.precomputed.lookup_groups(stage, batch, policy)
+        if self.needs_reference and model.precomputed is not None:
+            reference = model.precomputed.lookup_groups(stage, batch, policy)
         elif self.needs_reference:
-            reference = reference_forward(lm, batch, lambda outputs, b: completion_logps(outputs, b, temperature).logps)
+            reference = model.reference(batch, lambda outputs, b: completion_logps(outputs, b, temperature).logps)
         trained = self.trained_completions(batch, device)
         per_token = TOKEN_ADVANTAGES in batch
         parts = grpo_loss(policy, advantages, self.settings, old, reference, per_token, trained, weights)
@@ -318,8 +351,8 @@ class GRPO(Objective):
                               "false")  # fmt: skip
         return ~torch.tensor(truncated, dtype=torch.bool, device=device)
 
-    def loss(self, lm, batch):
-        parts, advantages, difference = self.parts(lm, batch)
+    def loss(self, model, batch):
+        parts, advantages, difference = self.parts(model, batch)
         metrics = dict(parts.metrics)
         completions = parts.metrics["completion_length"][1]
         if REWARDS in batch:
@@ -335,12 +368,12 @@ class GRPO(Objective):
         if difference is not None:
             metrics["sampler_logp_diff"] = (difference.sum(), zero + len(difference))
             if len(difference):
-                self._keep_largest(lm, difference.max())
+                self._keep_largest(model, difference.max())
         loss = parts.loss_sum
         return LossParts(loss, parts.units, loss.detach(), parts.units.detach()), metrics
 
-    def evaluate(self, lm, batch, stage):
-        parts, _, _ = self.parts(lm, batch, stage)
+    def evaluate(self, model, batch, stage):
+        parts, _, _ = self.parts(model, batch, stage)
         return parts.loss_sum, parts.units, parts.units.new_zeros(())
 
     def round_advantages(self, rows: list[dict]) -> list[list[float]] | None:
@@ -354,29 +387,26 @@ class GRPO(Objective):
         ends = torch.tensor([len(row["rewards"]) for row in rows]).cumsum(0).tolist()
         return [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
 
-    def _keep_largest(self, lm, largest: torch.Tensor) -> None:
+    def _keep_largest(self, model, largest: torch.Tensor) -> None:
         """This rank's largest |trainer - sampler| of the step so far (a tensor: no device sync)."""
-        trainer = attached_trainer(lm)
-        step = trainer.global_step if trainer is not None else -1
+        step = model.step()
         if self._largest is not None and self._largest[0] == step:
             largest = torch.maximum(self._largest[1], largest)
         self._largest = (step, largest)
 
-    def check_step(self, lm, metrics):
+    def check_step(self, model, metrics):
         """The first-step self-test of on-policy rounds: logs the largest |log-prob difference| of the step's tokens
         over every rank (`train/sampler_logp_diff_max`), and stops the run where the mean (`sampler_logp_diff`)
         passes the precision's tolerance. The metrics are the same on every rank: all reduce, all stop."""
         diff = metrics.get("sampler_logp_diff")
         if diff is None:
             return
-        trainer = lm.trainer
-        step = trainer.global_step
+        step = model.step()
         largest = self._largest[1] if self._largest is not None and self._largest[0] == step else None
-        largest = torch.zeros((), dtype=torch.float64, device=lm.device) if largest is None else largest
-        if trainer.world_size > 1:
-            largest = trainer.strategy.reduce(largest, reduce_op="max")
-        lm.log("train/sampler_logp_diff_max", largest.double(), on_step=True, on_epoch=False)
-        precision = str(trainer.precision)
+        largest = torch.zeros((), dtype=torch.float64) if largest is None else largest
+        largest = model.reduce_max(largest)
+        model.log("train/sampler_logp_diff_max", largest.double())
+        precision = str(model.precision())
         tolerance = self.sampler_tolerance or sampler_tolerance(precision)
         if math.isfinite(diff) and diff <= tolerance:
             return

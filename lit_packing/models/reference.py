@@ -390,17 +390,6 @@ class PrecomputedReference:
         return table, where
 
 
-def reference_logps(lm, batch: Mapping[str, Any], stage: str, policy: PairLogps) -> PairLogps | None:
-    """The reference log-probs of a batch's pairs for `lm`'s preference objective (`PackedCausalLM`): read from the
-    precomputed table, or computed by the frozen copy (`copy`) or the model with its adapter off (`lora`); None for
-    an objective without a reference (simpo, orpo)."""
-    if lm.precomputed is not None:
-        return lm.precomputed.lookup(stage, batch.get(ROWS, []), policy)
-    if not lm.objective.needs_reference:
-        return None
-    return reference_forward(lm, batch, pair_logps)
-
-
 def reference_forward(lm, batch: Mapping[str, Any], read: Callable[[Any, Mapping[str, Any]], Any]) -> Any:
     """`read(outputs, batch)` of the reference's outputs, no gradient: the frozen copy's (`reference=copy`), else
     the model's with its adapter off (`lora`), read inside that context (the head is adapted too)."""

@@ -274,7 +274,7 @@ def test_grpo_refuses_batches_of_other_kinds():
     config = dict(TINY_LLAMA, vocab_size=1000)
     lm = PackedCausalLM(model_config=config, objective=GRPO(), memory_check=False)
     with pytest.raises(ConfigError, match=r"^data.collator: GRPO trains rollout groups, the batch holds single"):
-        lm.objective.loss(lm, PackedCollator()([{INPUT_IDS: [1, 2, 3]}]))
+        lm.objective.loss(lm.handle, PackedCollator()([{INPUT_IDS: [1, 2, 3]}]))
     sft = PackedCausalLM(model_config=config, memory_check=False)
     batch = GroupCollator()([{INPUT_IDS: [1, 2, 3], COMPLETION_TOKENS: [1], REWARDS: [1.0]}])
     with pytest.raises(ConfigError, match=r"^model.objective: SFT got a batch of rollout groups"):
@@ -292,7 +292,7 @@ def test_an_empty_pack_of_groups_trains_nothing_and_still_runs_backward():
     lm = PackedCausalLM(model_config=dict(TINY_LLAMA, vocab_size=49152), objective=GRPO(), memory_check=False)
     batch = GroupCollator()(Pack([], step=step_totals([5, 3])))
     assert batch[REWARDS].shape == (0,) and batch[COMPLETIONS].shape == (0,)
-    parts, metrics = lm.objective.loss(lm, batch)
+    parts, metrics = lm.objective.loss(lm.handle, batch)
     assert parts.objective.item() == 0 and parts.objective.requires_grad
     parts.objective.backward()
     assert all(p.grad is None or not p.grad.any() for p in lm.parameters())

@@ -253,7 +253,7 @@ def test_batch_scaled_advantages_need_the_generation_batch():
                         memory_check=False)  # fmt: skip
     group = {"input_ids": [5, 6, 7, 8, 9], "completion_tokens": [2, 1], "rewards": [1.0, 0.0]}
     with pytest.raises(ConfigError, match=r"scale_rewards: batch divides by the reward std of the whole generation"):
-        lm.objective.loss(lm, GroupCollator()(Pack([group], step=step_totals([3]))))
+        lm.objective.loss(lm.handle, GroupCollator()(Pack([group], step=step_totals([3]))))
 
 
 def test_on_policy_ratios_are_one_and_nothing_clips():
@@ -396,7 +396,7 @@ def test_a_truncated_completion_contributes_nothing_to_the_loss_or_the_gradients
         lm.model.double()
         [batch] = attach_step([GroupCollator()(groups)])
         batch[ROUND] = {"on_policy": False, "truncated": truncated}
-        parts, metrics = lm.objective.loss(lm, batch)
+        parts, metrics = lm.objective.loss(lm.handle, batch)
         parts.objective.backward()
         grads = {n: p.grad for n, p in lm.named_parameters() if p.grad is not None}
         return float(parts.objective), grads, metrics
@@ -436,7 +436,7 @@ def test_masking_truncated_completions_needs_an_on_policy_round():
     lm = PackedCausalLM(model_config=CONFIG, objective=GRPO(mask_truncated_completions=True), memory_check=False)
     group = {"input_ids": [5, 6, 7, 8, 9], "completion_tokens": [2, 1], "rewards": [1.0, 0.0]}
     with pytest.raises(ConfigError, match=r"^mask_truncated_completions: stored rollouts do not mark the .* set it "):
-        lm.objective.loss(lm, GroupCollator()(Pack([group], step=step_totals([3]))))
+        lm.objective.loss(lm.handle, GroupCollator()(Pack([group], step=step_totals([3]))))
 
 
 # Groups of one size, as TRL's generation batch needs (G = 3), prompts of one length (see ORACLE_SHAPES).
@@ -577,15 +577,12 @@ def test_the_weight_scales_each_tokens_policy_loss_not_its_kl():
 def test_the_self_test_judges_the_mean_difference_at_the_precisions_tolerance(precision, passes, stops):
     """`GRPO.check_step` on a round's first step, at every precision: the largest difference of the step is logged,
     the mean is judged against the precision's tolerance (never skipped), and `sampler_tolerance` overrides it."""
-    from types import SimpleNamespace
-
     from lit_packing.errors import TrainingError
     from lit_packing.models import GRPO, objectives
 
     logged = {}
-    trainer = SimpleNamespace(global_step=4, world_size=1, precision=precision)
-    log = lambda name, value, **kw: logged.update({name: float(value)})  # noqa: E731
-    lm = SimpleNamespace(trainer=trainer, _trainer=trainer, device=torch.device("cpu"), log=log)  # as Lightning's
+    log = lambda name, value: logged.update({name: float(value)})  # noqa: E731
+    lm = objectives.ModelHandle(None, None, step=lambda: 4, precision=lambda: precision, log=log)  # on step 5
     objective = GRPO()
     objective._keep_largest(lm, torch.tensor(0.75, dtype=torch.float64))
     objective.check_step(lm, {"sampler_logp_diff": passes})
@@ -616,6 +613,6 @@ def test_every_micro_batch_names_the_same_metrics_on_policy_or_not():
     batches = [batch, {**batch, ROUND: {"on_policy": True, "truncated": flags}},
                {**batch, ROUND: {"on_policy": False, "truncated": flags}},
                {**empty, ROUND: {"on_policy": True, "truncated": []}}]  # fmt: skip
-    named = [list(lm.objective.loss(lm, b)[1]) for b in batches]
+    named = [list(lm.objective.loss(lm.handle, b)[1]) for b in batches]
     assert all(names == named[0] for names in named), named
     assert {"sampler_logp_diff", "sampling/importance_sampling_ratio/mean"} <= set(named[0])
