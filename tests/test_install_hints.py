@@ -18,7 +18,7 @@ from lit_packing.models.quantize import adamw_8bit, quantization_settings
 from lit_packing.models.rollouts import math_answer
 
 ROOT = Path(__file__).parents[1]
-EXTRAS = ("qlora", "liger", "stream", "rl", "bench")  # the extras whose packages the errors name
+EXTRAS = ("qlora", "liger", "stream", "rl", "bench", "vllm")  # the extras whose packages the errors name
 INDEX_HINT = re.compile(r"pip install\s+\"?lit_packing\[")  # `pip install "lit_packing[qlora]"`: not on any index
 
 

@@ -9,33 +9,28 @@ scored groups train it, round after round, packed as stored rollout groups are.
           group_size: 8                                               # completions per prompt (G)
           prompts_per_round: 8                                        # prompts each round samples, over all ranks
           reward_funcs: [lit_packing.models.rollouts.final_number]    # (prompts, completions, **columns) -> floats
+          engine: lit_packing.models.engines.VLLMEngine               # vLLM, not generate (default GenerateEngine)
 
 A round: the next `prompts_per_round` prompts (a seeded permutation of the prompt source, epoch after epoch), each
-data-parallel rank sampling its share with `generate` (`models.rollouts.sample_groups`: G completions per prompt and
-the sampler's log-probs of every token), scored by the sum of the reward functions (each called with the prompts,
-the completion texts and the prompt source's other columns, as TRL calls them; a None skips that function for that
-completion, and a completion none scores is left out of its group); the groups gathered from every rank,
-written by rank 0 to `<run folder>/rollouts/round_<k>.jsonl` (a stored-rollouts file: `HFDataset` of it trains the
-same groups), tokenized and planned by the configured sampler as one dataset, and trained `iterations` times (each
-pass a new plan; the stored log-probs are the behaviour policy's, so later passes clip). Then the next round samples
-from the updated policy. Every round is whole optimizer steps (the last completed with empty packs). The fit's
-`trainer.max_steps` bounds the rounds; without it (gpu.yaml's whole epoch) the fit is one pass over the prompts,
-said at start.
+data-parallel rank sampling its share with the source's rollout `engine` (`models/engines.py`: G completions per
+prompt and the sampler's log-probs of every token; `GenerateEngine`, transformers' `generate` on the policy itself,
+or `VLLMEngine`, vLLM handed the policy's weights before each round), scored by the sum of the reward functions (each
+called with the prompts, the completion texts and the prompt source's other columns, as TRL calls them; a None skips
+that function for that completion, and a completion none scores is left out of its group: `round_scoring.py`); the
+groups gathered from every rank, written by rank 0 to `<run folder>/rollouts/round_<k>.jsonl` (a stored-rollouts
+file: `HFDataset` of it trains the same groups), tokenized and planned by the configured sampler as one dataset, and
+trained `iterations` times (each pass a new plan; the stored log-probs are the behaviour policy's, so later passes
+clip). Then the next round samples from the updated policy. Every round is whole optimizer steps (the last completed
+with empty packs). The fit's `trainer.max_steps` bounds the rounds; without it (gpu.yaml's whole epoch) the fit is
+one pass over the prompts, said at start.
 
-Generation runs between optimizer steps, in the training process, with the model in eval mode and its own random
-stream (the training's is untouched), by the policy the step before the round left. The round's rollout metrics
-(`round_stats`: TRL's meanings, `rollout/reward_std`, `rollout/frac_reward_zero_std`, `rollout/rewards/<function>/
-mean`, ...) are logged at each of its steps, and training's effective tokens/s counts the training steps only: the
-round's making (sampling, scoring, the pass below) is on `batch["round"]["clock"]`. Each batch marks the completions
-that hit `max_new_tokens` without an end-of-sequence token (`batch["round"]["truncated"]`), which
-`GRPO(mask_truncated_completions=True)` leaves out of the loss. The round's first step trains the policy that sampled
-it, and `GRPO` checks there that the training forward scores the sampled tokens as the sampler did.
-
-The ratio's old log-probs are the trainer's, not the sampler's: the first step's training forward has them; where a
-round trains past its first step (`iterations` > 1, or more groups than one step takes) in half precision, where
-`generate` and the training forward round differently, one no-grad pass of the policy that sampled, before the
-first step, computes them for every group (`batch["round"]["old_logps"]`, kept in the round's file). At full
-precision the sampler's are the trainer's to rounding (the self-test holds them to it) and no pass runs.
+Generation runs between optimizer steps, in the training process, by the policy the step before the round left. The
+round's rollout metrics (`round_stats`, TRL's meanings) are logged at each of its steps; training's effective
+tokens/s counts the training steps only, the round's making being on `batch["round"]["clock"]`. Each batch marks the
+completions cut at `max_new_tokens` (`batch["round"]["truncated"]`, for `GRPO(mask_truncated_completions=True)`). The
+round's first step trains the policy that sampled it, and `GRPO` checks there that the training forward scores the
+sampled tokens as the sampler did; past it, in half precision, the ratio's old log-probs are the trainer's
+(`round_scoring.round_old_logps`, `batch["round"]["old_logps"]`, kept in the round's file).
 
 A checkpoint keeps the round and the micro-batch inside it: a resume reads the round's file back and samples the
 next rounds from the restored policy, as the uninterrupted run would.
@@ -44,8 +39,6 @@ next rounds from the restored policy, as the uninterrupted run would.
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import json
 import logging
 import os
@@ -56,17 +49,29 @@ from typing import TYPE_CHECKING, Any
 
 import datasets
 import numpy as np
-import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from lit_packing._compat import data_parallel
-from lit_packing.batch import COMPLETION_TOKENS, INDEX, INPUT_IDS, ROUND, StepShape
+from lit_packing.batch import INDEX, ROUND, StepShape
 from lit_packing.contract import DataContract, ModelContract, Policy
 from lit_packing.data.feed import Feed, SamplerBuilder
 from lit_packing.data.report import TokenizationReport
+from lit_packing.data.round_scoring import (
+    SETTING,
+    gather_groups,
+    import_reward,
+    reward_names,
+    round_old_logps,
+    round_stats,
+    scored_groups,
+    sum_rewards,
+    truncated_completions,
+)
 from lit_packing.data.sources import Source
 from lit_packing.data.tokenize import TokenizedDataset, tokenize_dataset
-from lit_packing.errors import ConfigError, DataError, check_range, install_hint
+from lit_packing.errors import ConfigError, DataError, check_range
+from lit_packing.models.engines import GenerateEngine, RolloutEngine, SamplingSettings
+from lit_packing.models.rollouts import end_of_sequence_ids
 from lit_packing.samplers import PlannedBatchSampler
 from lit_packing.samplers.base import Pack
 from lit_packing.samplers.base import worst_pack as worst_pack_of
@@ -75,36 +80,6 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 log = logging.getLogger(__name__)
-
-_SETTING = "data.source.init_args"
-
-
-def import_reward(path: str) -> Callable[..., list[float]]:
-    """The reward function at `path` (`package.module.function`), or a `ConfigError` naming it."""
-    module, _, name = path.rpartition(".")
-    try:
-        function = getattr(importlib.import_module(module), name) if module else None
-    except (ImportError, AttributeError):
-        function = None
-    if not callable(function):
-        raise ConfigError(f"{_SETTING}.reward_funcs", f"{path!r} is not an importable function",
-                          "give its import path, e.g. lit_packing.models.rollouts.final_number")  # fmt: skip
-    module, extra = getattr(function, "requires", (None, None))
-    if module is not None and importlib.util.find_spec(module) is None:
-        raise ConfigError(f"{_SETTING}.reward_funcs", f"{path} needs the {module} package",
-                          install_hint(extra))  # fmt: skip
-    return function
-
-
-def reward_names(paths: list[str]) -> list[str]:
-    """The name each reward function is logged under (`rollout/rewards/<name>/mean`): its function name, as TRL
-    names it, or its whole import path where two share one.
-
-    >>> reward_names(["a.final_number", "b.format", "c.format"])
-    ['final_number', 'b.format', 'c.format']
-    """
-    short = [path.rpartition(".")[2] for path in paths]
-    return [name if short.count(name) == 1 else path for name, path in zip(short, paths)]
 
 
 class OnPolicyRollouts(Source):
@@ -125,8 +100,11 @@ class OnPolicyRollouts(Source):
             A completion that no function scores is left out of its group (said in one line), so its group's
             baseline and std are those of the scored completions, as TRL's; a round with none scored stops the run.
         iterations: passes over each round's groups before the next round (TRL's `num_iterations`).
-        generation_batch: prompts per `generate` call (x G sequences).
+        generation_batch: prompts per `generate` call (x G sequences; vLLM batches its own).
         seed: the prompts' order and the sampling.
+        engine: builds what samples the rounds from the policy and its tokenizer: `GenerateEngine`, or
+            `VLLMEngine` with vLLM's settings, `{class_path: lit_packing.models.engines.VLLMEngine, init_args:
+            {gpu_memory_utilization: 0.3}}` (`models/engines.py`).
     """
 
     def __init__(
@@ -141,14 +119,15 @@ class OnPolicyRollouts(Source):
         seed: int = 0,
         top_k: int = 0,
         top_p: float = 1.0,
+        engine: Callable[[Any, Any], RolloutEngine] = GenerateEngine,
     ) -> None:
         from lit_packing.data.packaged import ArithmeticPrompts
 
         for name, value, low in (("group_size", group_size, 2), ("prompts_per_round", prompts_per_round, 1),
                                  ("max_new_tokens", max_new_tokens, 1), ("iterations", iterations, 1),
                                  ("generation_batch", generation_batch, 1), ("top_k", top_k, 0)):  # fmt: skip
-            check_range(f"{_SETTING}.{name}", value, low)
-        check_range(f"{_SETTING}.top_p", top_p, 0.0, 1.0, low_open=True)
+            check_range(f"{SETTING}.{name}", value, low)
+        check_range(f"{SETTING}.top_p", top_p, 0.0, 1.0, low_open=True)
         self.prompts = prompts if prompts is not None else ArithmeticPrompts()
         self.group_size = group_size
         self.prompts_per_round = prompts_per_round
@@ -160,6 +139,12 @@ class OnPolicyRollouts(Source):
         self.generation_batch = generation_batch
         self.seed = seed
         self.top_k, self.top_p = top_k, top_p
+        self.engine = engine
+
+    def settings(self, temperature: float, seed: int) -> SamplingSettings:
+        """A round's sampling settings at the objective's `temperature`, from `seed`."""
+        return SamplingSettings(self.group_size, self.max_new_tokens, temperature, self.top_k, self.top_p, seed,
+                                self.generation_batch)  # fmt: skip
 
     @property
     def fingerprint(self) -> str:
@@ -171,7 +156,7 @@ class OnPolicyRollouts(Source):
         if isinstance(loaded, datasets.DatasetDict):
             loaded = loaded["train"]
         if "prompt" not in loaded.column_names:
-            raise ConfigError(f"{_SETTING}.prompts", f"{self.prompts!r} has no 'prompt' column "
+            raise ConfigError(f"{SETTING}.prompts", f"{self.prompts!r} has no 'prompt' column "
                               f"(columns: {', '.join(loaded.column_names)})", "map one with its field_map")  # fmt: skip
         return loaded
 
@@ -205,7 +190,7 @@ class OnPolicyFeed(Feed):
             log.info("data.val_split=%s is not used: on-policy rounds hold nothing out (train/reward and "
                      "rollout/reward say how the policy does)", self.settings.val_split)  # fmt: skip
         if not len(self.prompts):
-            raise DataError(f"{self.source.prompts!r} holds no prompts: check {_SETTING}.prompts")
+            raise DataError(f"{self.source.prompts!r} holds no prompts: check {SETTING}.prompts")
         self.report = TokenizationReport()  # every round's groups, as they are tokenized
         log.info("%r: on-policy rollouts from %s prompts, %s completions each, %s prompts a round",
                  self.source.prompts, f"{len(self.prompts):,}", self.source.group_size,
@@ -265,6 +250,13 @@ class OnPolicyFeed(Feed):
         for name, value in (stats or {}).items():
             pl_module.log(f"rollout/{name}", float(value), on_step=True, on_epoch=False, batch_size=1)
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        if isinstance(self.sampler, RoundLoader):
+            self.sampler.engine.close()  # vLLM's memory back before anything runs after the fit
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.on_train_end(trainer, pl_module)
+
 
 class RoundLoader:
     """The training loader of on-policy rollouts: an endless iterable of collated micro-batches, round after round,
@@ -282,6 +274,7 @@ class RoundLoader:
         self._handed_out = self._trained = 0
         self.clock = {"sampling_s": 0.0}  # this rank's seconds making rounds, read by the throughput callback
         self.reward_names = reward_names(self.source.reward_funcs)
+        self.engine = self.source.engine(feed.policy.model, tokenizer)  # what samples the rounds
         self._sampled: tuple[int, tuple[list[dict], dict]] | None = None  # the last round sampled
         self.resumed_at: int | None = None
         self.restored: str | None = None
@@ -328,7 +321,10 @@ class RoundLoader:
                 rows, stats = self._sample(number)
             dataset = self._tokenize(rows, number)
             plans = [self._plan(dataset, number, iteration) for iteration in range(self.source.iterations)]
-            old = self._old_logps(dataset, rows, plans)
+            began, policy = time.perf_counter(), self.feed.policy
+            old = round_old_logps(rows, dataset, plans[0], policy.model, policy.temperature, self.collate,
+                                  self.trainer, self.source.iterations)  # fmt: skip
+            self.clock["sampling_s"] += time.perf_counter() - began
             if not resumed and self.trainer.is_global_zero:
                 self._write(number, rows)
             resumed = False
@@ -368,8 +364,6 @@ class RoundLoader:
         return packs + [Pack([], step=packs[-1].step if packs else None)] * (total - len(packs))
 
     def _ends(self) -> list[int]:
-        from lit_packing.models.rollouts import end_of_sequence_ids
-
         return end_of_sequence_ids(self.feed.policy.model, self.tokenizer)
 
     def _collate(self, dataset: TokenizedDataset, pack: Pack, number: int, stats: dict, fresh: bool,
@@ -381,37 +375,6 @@ class RoundLoader:
         if old is not None and not fresh:  # past the first step: the trainer's log-probs of the policy that sampled
             batch[ROUND]["old_logps"] = [logp for item in items for logp in old[int(item[INDEX])]]
         return batch
-
-    def _old_logps(self, dataset: TokenizedDataset, rows: list[dict], plans: list[list[Pack]]) -> dict | None:
-        """Each group's completion-token log-probs (flat, by its row in the round) by the training forward of the
-        policy that sampled, where the round trains past its first step in half precision; None elsewhere.
-
-        One no-grad pass over this rank's packs of the first plan (eval mode, the trainer's precision context),
-        before the round's first step, gathered from every rank and kept in the rows (`old_logps`, one list per
-        completion, written with the round): a resumed round reads them back."""
-        from lit_packing.models.objectives import FULL_PRECISION
-
-        if str(self.trainer.precision) in FULL_PRECISION:
-            return None
-        if any("old_logps" in row for row in rows):  # computed before (a restarted iterator) or read back
-            return {k: [x for c in row["old_logps"] for x in c] for k, row in enumerate(rows) if "old_logps" in row}
-        if self.source.iterations == 1 and len(plans[0]) <= self.trainer.accumulate_grad_batches:
-            return None  # the first step trains every group: its own forward has them
-        began = time.perf_counter()
-        policy = self.feed.policy
-        trainer = self.trainer
-        mine = trainer_logps(policy.model, [[dataset[key] for key in pack] for pack in plans[0]], self.collate,
-                             policy.temperature, trainer.precision_plugin.forward_context,
-                             trainer.strategy.batch_to_device)  # fmt: skip
-        found: dict[int, list[float]] = {}
-        for part in _gather([mine], data_parallel(self.trainer).size):
-            found.update(part)
-        for k, row in enumerate(rows):
-            if k in found:
-                ends = np.cumsum([len(c) for c in row["completions"]]).tolist()
-                row["old_logps"] = [found[k][a:b] for a, b in zip([0, *ends[:-1]], ends)]
-        self.clock["sampling_s"] += time.perf_counter() - began
-        return found
 
     # ------------------------------------------------------------ one round
 
@@ -429,34 +392,22 @@ class RoundLoader:
 
     def _sample(self, number: int) -> tuple[list[dict], dict[str, float]]:
         """Round `number`'s groups: this rank's share of its prompts sampled and scored, every rank's gathered."""
-        from lit_packing.models.rollouts import sample_groups
-
         if self._sampled is not None and self._sampled[0] == number:  # Lightning restarted its iterator: no resample
             return self._sampled[1]
         rank, world = data_parallel(self.trainer)
         rows = self._prompts(number)
         mine = rows[rank::world]
         policy = self.feed.policy  # the model's contract: the one way the data reaches the model
-        model = policy.model
         source = self.source
         began = time.perf_counter()
+        self.engine.update_weights(policy.model)  # the policy the step before the round left
         groups: list[dict] = []
         seconds = 0.0
         if mine:
             prompts = self.feed.prompts.select(mine)
             columns = {name: prompts[name] for name in prompts.column_names if name != "prompt"}
-            device = next(model.parameters()).device
-            was_training = model.training
-            model.eval()
-            try:
-                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                    groups = sample_groups(
-                        model, self.tokenizer, prompts["prompt"], source.group_size, source.max_new_tokens,
-                        policy.temperature, seed=source.seed * 1_000_003 + number * 1_009 + rank,
-                        batch_prompts=source.generation_batch, top_k=source.top_k, top_p=source.top_p,
-                    )  # fmt: skip
-            finally:
-                model.train(was_training)
+            settings = source.settings(policy.temperature, seed=source.seed * 1_000_003 + number * 1_009 + rank)
+            groups = [group.row() for group in self.engine.sample(prompts["prompt"], settings)]
             seconds = time.perf_counter() - began
             for k, (group, row) in enumerate(zip(groups, mine)):
                 group["prompt_row"] = row
@@ -464,11 +415,11 @@ class RoundLoader:
             functions = [import_reward(path) for path in source.reward_funcs]
             sum_rewards(groups, dict(zip(self.reward_names, functions)), columns)
         generated = sum(len(c) for g in groups for c in g["completions"])
-        gathered = _gather(scored_groups(groups, number), world)
+        gathered = gather_groups(scored_groups(groups, number), world)
         gathered.sort(key=lambda g: rows.index(g["prompt_row"]))
         if not gathered:  # every rank decides on the same gathered round
             raise DataError(f"on-policy round {number}: no reward function scored any completion (each returned None): "
-                            f"check {_SETTING}.reward_funcs and the prompts' columns they read (an answer that "
+                            f"check {SETTING}.reward_funcs and the prompts' columns they read (an answer that "
                             "does not parse), or raise prompts_per_round")  # fmt: skip
         out = [_row(group) for group in gathered]
         advantages = policy.round_advantages(out)
@@ -542,128 +493,6 @@ class RoundLoader:
         self.restored = f"on-policy round {state['round']:,}, micro-batch {state['inside']:,} of it"
 
 
-def _gather(groups: list[dict], world: int) -> list[dict]:
-    """Every rank's groups, on every rank (one object collective that every rank reaches at each round)."""
-    if world == 1 or not torch.distributed.is_initialized():
-        return list(groups)
-    gathered: list[list[dict] | None] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, groups)
-    return [group for part in gathered for group in (part or [])]
-
-
-def truncated_completions(items: list[dict], ends: list[int]) -> list[bool]:
-    """Per completion of a batch's group items (in the batch's order), whether it stopped at the generation limit:
-    its last token is none of the `ends` that end a completion (TRL's test for `mask_truncated_completions`). A
-    prompt [5, 6] and completions [7, 2] (ended by 2) and [8, 9]:
-
-    >>> truncated_completions([{"input_ids": [5, 6, 7, 2, 8, 9], "completion_tokens": [2, 2]}], ends=[2])
-    [False, True]
-    """
-    flags = []
-    for item in items:
-        ids, sizes = item[INPUT_IDS], item.get(COMPLETION_TOKENS) or []
-        last = len(ids) - sum(sizes) + np.cumsum(sizes) - 1  # each completion's last token
-        flags.extend(bool(int(ids[i]) not in ends) for i in last)
-    return flags
-
-
-def scored_groups(groups: list[dict], number: int) -> list[dict]:
-    """The groups without their completions that no reward function scored (reward NaN), said in one line; a group
-    left with none is left out. TRL keeps such a completion out of its group's mean and std and gives it no
-    advantage: here it is not trained at all."""
-    kept, dropped = [], 0
-    per_completion = ("completions", "texts", "behaviour_logps", "rewards", "function_rewards")
-    for group in groups:
-        scored = [not np.isnan(r) for r in group["rewards"]]
-        dropped += scored.count(False)
-        if all(scored):
-            kept.append(group)
-        elif any(scored):
-            kept.append({**group, **{key: [v for v, s in zip(group[key], scored) if s] for key in per_completion}})
-    if dropped:
-        total = sum(len(group["rewards"]) for group in groups)
-        log.warning("on-policy round %s: %s of %s completions were scored by no reward function (each returned None):"
-                    " left out of their groups (%s groups left of %s)", number, dropped, total,
-                    len(kept), len(groups))  # fmt: skip
-    return kept
-
-
 def _row(group: dict) -> dict:
     """A sampled group as a stored-rollouts row (what `HFDataset` reads back), its prompt's row kept as `prompt_row`."""
     return {k: v for k, v in group.items() if k not in ("texts", "function_rewards")}
-
-
-def sum_rewards(groups: list[dict], functions: dict[str, Callable[..., list]], columns: dict[str, list]) -> None:
-    """Score each group's completions with every reward function (by name): `function_rewards` (per completion,
-    each function's reward, NaN where it returned None) and `rewards`, their sum over the functions that score it
-    (TRL's nansum), NaN where none does."""
-    from lit_packing.models.rollouts import score_groups
-
-    scores = []  # per function, per group: (G,) with NaN where it scores nothing
-    for function in functions.values():
-        score_groups(groups, function, **columns)
-        scores.append([np.asarray(group["rewards"], dtype=np.float64) for group in groups])
-    for k, group in enumerate(groups):
-        table = np.stack([function[k] for function in scores])  # (functions, G)
-        unscored = np.isnan(table).all(axis=0)
-        group["function_rewards"] = table.T.tolist()
-        group["rewards"] = np.where(unscored, np.nan, np.nansum(table, axis=0)).tolist()
-
-
-def _std(values: np.ndarray) -> float:
-    """The sample std (n - 1, as TRL's `nanstd`); 0 for fewer than two values."""
-    return float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
-
-
-def round_stats(groups: list[dict], ends: list[int], names: list[str] | None = None) -> dict[str, float]:
-    """A round's rollout metrics, TRL's meanings, over every rank's scored groups: `reward` and `reward_std` over
-    its completions, `frac_reward_zero_std` (the share of groups whose rewards are all equal: no advantage, no
-    gradient), `clipped_ratio` (the share of completions whose last token ends none: cut at `max_new_tokens`), and
-    where the groups carry `function_rewards`, each named function's `rewards/<name>/mean` and `/std` over the
-    completions it scored (none scored: not logged). Groups [1, 1] and [0, 2] of one function `f`, every completion
-    ended by 2:
-
-    >>> groups = [{"rewards": [1.0, 1.0], "completions": [[7, 2], [2]], "function_rewards": [[1.0], [1.0]]},
-    ...           {"rewards": [0.0, 2.0], "completions": [[2], [8, 2]], "function_rewards": [[0.0], [2.0]]}]
-    >>> {name: round(value, 4) for name, value in round_stats(groups, ends=[2], names=["f"]).items()}
-    {'reward': 1.0, 'reward_std': 0.8165, 'frac_reward_zero_std': 0.5, 'clipped_ratio': 0.0, 'rewards/f/mean': 1.0, \
-'rewards/f/std': 0.8165}
-    """
-    rewards = np.array([r for group in groups for r in group["rewards"]], dtype=np.float64)
-    uniform = [max(group["rewards"]) == min(group["rewards"]) for group in groups]  # all equal: zero std
-    truncated = [completion[-1] not in ends for group in groups for completion in group["completions"]]
-    stats = {"reward": float(np.mean(rewards)), "reward_std": _std(rewards),
-             "frac_reward_zero_std": float(np.mean(uniform)), "clipped_ratio": float(np.mean(truncated))}  # fmt: skip
-    if names and groups and all("function_rewards" in group for group in groups):
-        table = np.array([r for group in groups for r in group["function_rewards"]], dtype=np.float64)  # (C, F)
-        for name, column in zip(names, table.T):
-            scored = column[~np.isnan(column)]
-            if len(scored):
-                stats[f"rewards/{name}/mean"], stats[f"rewards/{name}/std"] = float(scored.mean()), _std(scored)
-    return stats
-
-
-def trainer_logps(model, packs: list[list[dict]], collate: Callable, temperature: float, context: Callable,
-                  to_device: Callable) -> dict[int, list[float]]:  # fmt: skip
-    """Each group's completion-token log-probs (flat, by its item's `index`) under `model`'s forward as the training
-    step computes them (packs collated by `collate`, moved by `to_device`, the chunked head, logits /
-    `temperature`, under the trainer's precision `context()`), no gradient, in eval mode."""
-    from lit_packing.models.grpo import completion_logps
-    from lit_packing.models.head import head_inputs
-
-    found: dict[int, list[float]] = {}
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), context():
-            for items in filter(None, packs):
-                batch = to_device(collate(items))
-                logps = completion_logps(head_inputs(model, batch), batch, temperature).logps.tolist()
-                start = 0
-                for item in items:
-                    n = int(sum(item[COMPLETION_TOKENS]))
-                    found[int(item[INDEX])] = [round(x, 6) for x in logps[start : start + n]]  # as the sampler's
-                    start += n
-    finally:
-        model.train(was_training)
-    return found

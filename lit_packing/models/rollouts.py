@@ -1,5 +1,6 @@
 """Rollout groups from a model: G sampled completions per prompt, with the sampler's log-probs of every token, as
-the rows `GroupCollator` trains (and a JSON Lines file of them, `data.source` for `GRPO`, replays).
+the rows `GroupCollator` trains (and a JSON Lines file of them, `data.source` for `GRPO`, replays). What samples an
+on-policy round (this module's `generate`, or vLLM) is a rollout engine (`models/engines.py`).
 
     groups = sample_groups(model, tokenizer, ["What is 2 + 3?"], group_size=8, max_new_tokens=64)
     groups[0]["completions"][0], groups[0]["behaviour_logps"][0]     # token ids, their log-probs when sampled
@@ -35,6 +36,7 @@ from transformers import GenerationConfig
 
 log = logging.getLogger(__name__)
 
+Prompt = str | list[dict]  # a text (one user turn) or chat messages
 RewardFunction = Callable[..., list[float | None]]  # (prompts, completions, **columns) -> a reward per completion
 SAMPLER_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "max_length")  # sampling sets these
 # Fields no draw depends on: token ids (the end ids are taken), how generate runs, what it returns
@@ -68,6 +70,14 @@ def shipped_settings(model) -> dict[str, Any]:
         return {}
     fields = shipped.to_diff_dict().items()
     return {k: v for k, v in fields if k not in NON_DRAW_FIELDS and not k.startswith(("_", "output_", "return_"))}
+
+
+def prompt_ids(tokenizer, prompt: Prompt) -> list[int]:
+    """A prompt's token ids: rendered with the chat template and its generation prompt, as tokenization renders a
+    group's prompt, so sampled completions continue what the data module builds."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
 @contextlib.contextmanager
@@ -104,7 +114,7 @@ def _say_cleared(model, temperature: float, top_k: int, top_p: float) -> None:
 def sample_groups(
     model,
     tokenizer,
-    prompts: Sequence[str | list[dict]],
+    prompts: Sequence[Prompt],
     group_size: int,
     max_new_tokens: int,
     temperature: float = 1.0,
@@ -129,9 +139,7 @@ def sample_groups(
     groups = []
     for start in range(0, len(prompts), batch_prompts):
         chunk = list(prompts[start : start + batch_prompts])
-        messages = [[{"role": "user", "content": p}] if isinstance(p, str) else list(p) for p in chunk]
-        rendered = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
-        encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in rendered]
+        encoded = [prompt_ids(tokenizer, prompt) for prompt in chunk]
         width = max(map(len, encoded))
         ids = torch.tensor([[pad] * (width - len(x)) + x for x in encoded], device=device)
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in encoded], device=device)

