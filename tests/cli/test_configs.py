@@ -326,3 +326,22 @@ def test_validate_and_test_subcommands_agree_on_the_held_out_split(tmp_path, mon
     tested = cli_main(["test", "--config", "quickstart", *common]).trainer.callback_metrics
     assert float(tested["test/loss"]) == pytest.approx(float(validated["val/loss"]), rel=1e-6)
     assert float(tested["test/perplexity"]) > 1
+
+
+@pytest.mark.slow
+def test_vlm_trains_lora_on_its_language_model_and_exports_it_merged(tmp_path, monkeypatch, every_core):
+    """LoRA on a vision-language model's language model only (peft's regex over module names): the vision tower and
+    connector stay frozen, and the merged export loads as the plain VLM."""
+    from transformers import AutoModelForImageTextToText
+
+    monkeypatch.chdir(tmp_path)
+    folder = saved_tiny_vlm(tmp_path)
+    overrides = [arg for arg in tiny_overrides(tmp_path) if not arg.startswith("--model.model_config")]
+    lora = "{r: 8, lora_alpha: 16, target_modules: '.*text_model.*_proj'}"
+    overrides += [f"--model.name_or_path={folder}", "--data.source.init_args.limit=60", f"--model.lora={lora}"]
+    cli = cli_main(["fit", "--config", str(config_path("vlm")), *overrides, f"--model.export_dir={tmp_path / 'out'}"])
+    trainable = [name for name, p in cli.model.model.named_parameters() if p.requires_grad]
+    assert trainable and all("text_model" in name and "lora_" in name for name in trainable)
+    assert cli.trainer.global_step == 2 and cli.trainer.callback_metrics["train/loss"].isfinite()
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "out")
+    assert not any("lora" in name for name, _ in merged.named_parameters())
