@@ -78,15 +78,23 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
 
 def shard_plan(model: torch.nn.Module) -> ShardPlan:
     """The decoder layers `shard_model` wraps one by one: the modules whose class the transformers model names in
-    `_no_split_modules`, outermost first.
+    `_no_split_modules`, outermost first. A vision-language model's are its language model's: the vision tower and
+    the connector stay with the root, gathered once a step with the embeddings and the head, so every rank runs the
+    same collectives whether its pack holds an image or not.
 
     Raises:
         ConfigError: the model names no such class, or none of its modules is one (naming the model).
     """
     base = _base(model)
     names = set(getattr(base, "_no_split_modules", None) or ())
+    within = ""
+    if getattr(base.config, "vision_config", None) is not None:
+        decoder = base.get_decoder()
+        names = set(getattr(decoder, "_no_split_modules", None) or ())
+        within = next(name for name, module in base.named_modules() if module is decoder) + "."
     # By class name along the MRO: a sharded layer's class is FSDP2's subclass of it (`FSDPLlamaDecoderLayer`).
-    layers = [name for name, module in base.named_modules() if names & {c.__name__ for c in type(module).__mro__}]
+    layers = [name for name, module in base.named_modules()
+              if name.startswith(within) and names & {c.__name__ for c in type(module).__mro__}]  # fmt: skip
     # A layer inside another listed layer is sharded with it.
     outer = [name for name in layers if not any(name.startswith(other + ".") for other in layers)]
     if not outer:

@@ -345,3 +345,20 @@ def test_vlm_trains_lora_on_its_language_model_and_exports_it_merged(tmp_path, m
     assert cli.trainer.global_step == 2 and cli.trainer.callback_metrics["train/loss"].isfinite()
     merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "out")
     assert not any("lora" in name for name, _ in merged.named_parameters())
+
+
+@pytest.mark.slow
+def test_vlm_trains_on_2_fsdp2_ranks_whatever_images_each_ranks_packs_hold(tmp_path):
+    """FSDP2 over 2 gloo ranks: the language model's layers sharded, the vision tower with the root, so ranks whose
+    packs hold other numbers of images run the same collectives (sharding the tower's blocks broke the second step
+    with gloo's size mismatch; NCCL would hang)."""
+    folder = saved_tiny_vlm(tmp_path)
+    args = ["fit", "--config", str(config_path("vlm")), "--config", "fsdp2", "--trainer.devices=2",
+            "--trainer.strategy.init_args.data_parallel_size=2", "--trainer.max_steps=3", "--trainer.logger=false",
+            f"--model.name_or_path={folder}", "--data.source.init_args.limit=60",
+            "--data.sampler.init_args.max_tokens=512", f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+    done = subprocess.run([sys.executable, str(ROOT / "main.py"), *args], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "LlamaDecoderLayer layers and the root sharded over 2" in done.stdout + done.stderr
+    assert "step 3/3" in done.stdout + done.stderr

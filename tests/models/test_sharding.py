@@ -69,6 +69,16 @@ def test_a_lora_model_is_sharded_by_its_transformers_models_layers():
     assert plan.layers == ["model.layers.0", "model.layers.1"]  # named in the transformers model peft wraps
 
 
+@pytest.mark.parametrize("family", ["idefics3", "qwen2_vl"])
+def test_a_vision_language_models_layers_are_its_language_models_and_the_tower_stays_with_the_root(family):
+    from tests.models.test_vlm_exact import build
+
+    model, _ = build(family)
+    plan = shard_plan(model)
+    decoder = next(name for name, module in model.named_modules() if module is model.get_decoder())
+    assert plan.layers == [f"{decoder}.layers.0", f"{decoder}.layers.1"]  # no vision block: each rank gathers alike
+
+
 def test_a_model_without_a_layer_class_is_refused_in_one_line():
     with pytest.raises(ConfigError) as error:
         shard_plan(torch.nn.Sequential(torch.nn.Linear(2, 2)))
