@@ -17,6 +17,7 @@ from typing import Any, TypedDict
 
 import numpy as np
 import torch
+from typing_extensions import NotRequired  # typing's from Python 3.11 (torch requires typing_extensions)
 
 IGNORE_INDEX = -100  # label of a token no loss is taken on (PyTorch's cross-entropy default)
 
@@ -96,7 +97,9 @@ class Counts(TypedDict):
 
     `real_tokens` are the examples' tokens, `slot_tokens` what the step computes (padding included); `attn_cost`
     is the attention the device computes in (query, key) pairs: sum(L^2) packed (tail padding included),
-    rows * max(L)^2 padded; `sum_sq_lengths` the attention of the real examples alone.
+    rows * max(L)^2 padded; `sum_sq_lengths` the attention of the real examples alone. A batch of image chats
+    (`ImageChatCollator`) also counts `image_tokens`: its tokens that hold an image's features (the model's
+    `image_token_id`), part of `real_tokens`.
     """
 
     examples: int
@@ -106,6 +109,7 @@ class Counts(TypedDict):
     attn_cost: int
     sum_sq_lengths: int
     truncated_tokens: int
+    image_tokens: NotRequired[int]
 
 
 def is_packed(batch: dict[str, Any]) -> bool:

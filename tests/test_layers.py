@@ -24,7 +24,7 @@ CORE = ("lit_packing.batch", "lit_packing.cost", "lit_packing.errors", "lit_pack
         "lit_packing.models.probe", "lit_packing.models.pack", "lit_packing.models.head", "lit_packing.models.quantize",
         "lit_packing.models.optim",
         "lit_packing.models.weights", "lit_packing.models.sharding", "lit_packing.models.preference",
-        "lit_packing.models.grpo", "lit_packing.models.context")  # fmt: skip
+        "lit_packing.models.grpo", "lit_packing.models.context", "lit_packing.models.vlm")  # fmt: skip
 LIGHTNING = ("lit_packing.assets", "lit_packing.loggers", "lit_packing.contract", "lit_packing.checkpoint_io",
              "lit_packing.strategies",
              "lit_packing.data", "lit_packing.models", "lit_packing.callbacks", "lit_packing.configs")  # fmt: skip

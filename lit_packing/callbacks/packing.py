@@ -36,7 +36,8 @@ class PackingMonitor(pl.Callback):
 
     Per optimizer step (`train/...`, summed over its gradient-accumulation micro-batches, this rank's batches):
     `padding_ratio` (pad slots / slots), `packing_efficiency` (real / slots), `examples_per_step`, `real_tokens`,
-    `label_tokens`, `truncated_tokens` (cut from this step's examples by the data's overlong policy). Once, when
+    `label_tokens`, `truncated_tokens` (cut from this step's examples by the data's overlong policy) and, for image
+    chats, `image_tokens` (the tokens that hold an image's features, `ImageChatCollator`'s count). Once, when
     training starts (`data/...`, at step 0): every count of the data module's `TokenizationReport`, e.g.
     `data/truncated_tokens`, `data/dropped_overlong_examples` (dataset-level: removed before sampling),
     `data/bad_examples` (skipped under `data.on_bad_row=skip`), `data/duplicate_examples` and
@@ -105,6 +106,8 @@ class PackingMonitor(pl.Callback):
             "train/label_tokens": float(counts["label_tokens"]),
             "train/truncated_tokens": float(counts["truncated_tokens"]),
         }
+        if "image_tokens" in counts:  # image chats' batches count them
+            metrics["train/image_tokens"] = float(counts["image_tokens"])
         logging_step = trainer.global_step % max(trainer.log_every_n_steps, 1) == 0
         if trainer.world_size > 1 and logging_step:
             metrics.update(self._rank_imbalance(pl_module, counts))

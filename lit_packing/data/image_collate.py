@@ -10,7 +10,8 @@ load_image`, an unreadable one named by its row) and run through the processor's
 a time; `lit_packing.models.vlm.add_images` then concatenates the image tensors in document order and, for
 families with multimodal (mRoPE) positions, computes each document's positions alone, so they restart per
 document. The tokenized ids already hold each image's tokens, so nothing here changes the row's length: the
-sampler's plan and the memory estimate hold as they are.
+sampler's plan and the memory estimate hold as they are. The batch's `counts` also count its `image_tokens` (ids
+equal to the model's `image_token_id`), on the host: `PackingMonitor` logs them with no device sync.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from lit_packing.batch import IMAGES, INDEX, INPUT_IDS, LABELS
+from lit_packing.batch import COUNTS, IMAGES, INDEX, INPUT_IDS, LABELS
 from lit_packing.data.collate import PackedCollator
 from lit_packing.data.images import load_image
 from lit_packing.errors import ConfigError
@@ -51,7 +52,9 @@ class ImageChatCollator(PackedCollator):
 
         batch = super().__call__(examples)
         documents = [self._document(ex) for ex in examples if len(ex[INPUT_IDS]) > 0]
-        return add_images(batch, self._loaded()[1], documents)
+        config = self._loaded()[1]
+        batch[COUNTS]["image_tokens"] = int((batch[INPUT_IDS] == config.image_token_id).sum())  # a host tensor
+        return add_images(batch, config, documents)
 
     def _loaded(self):
         if self._processor is None:

@@ -5,7 +5,8 @@ start-up memory estimate (`models.memory`).
 
 Three probes of 64, 128 and 256 tokens run a forward each under `saved_tensors_hooks`; the bytes of every distinct
 storage saved that is not a weight (nor, sharded, a gathered weight) are summed, then fitted, so a longer step is
-arithmetic.
+arithmetic. A vision-language model's images cost more than their tokens: `image_token_bytes` measures what its
+vision tower and connector keep per image token, on documents with images made from its config.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from lit_packing.batch import (
     ATTENTION_MASK,
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
+    IMAGE_KEYS,
     INPUT_IDS,
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
     POSITION_IDS,
 )
 from lit_packing.models.sharding import is_sharded, local_tensor
+from lit_packing.models.vlm import pack_vlm_documents, probe_documents
 
 PROBE_LENGTHS = (64, 128, 256)
 
@@ -45,7 +48,13 @@ def _probe_batch(lm: Any, length: int, padded: bool) -> dict[str, Any]:
 
 
 def saved_activation_bytes(lm: Any, length: int, padded: bool) -> int:
-    """Bytes autograd keeps for backward in one forward of the decoder on `length` tokens (weights excluded).
+    """Bytes autograd keeps for backward in one forward of the decoder on `length` tokens (weights excluded): the
+    `saved_bytes` of a probe row (packed) or a masked row (`padded`)."""
+    return saved_bytes(lm, _probe_batch(lm, length, padded))
+
+
+def saved_bytes(lm: Any, batch: dict[str, Any]) -> int:
+    """Bytes autograd keeps for backward in one forward of `batch` to the LM head's inputs (weights excluded).
 
     Runs in eval mode (no dropout; transformers only checkpoints layers in train mode, so this is the full
     activation memory) under the trainer's precision context.
@@ -66,7 +75,6 @@ def saved_activation_bytes(lm: Any, length: int, padded: bool) -> int:
         # Holding the storage until the forward ends keeps two saved tensors from sharing an address.
         return tensor.detach()
 
-    batch = _probe_batch(lm, length, padded)
     was_training = lm.hf_model.training
     lm.hf_model.eval()
     try:
@@ -83,3 +91,18 @@ def activation_model(lm: Any, padded: bool) -> np.ndarray:
     measured = [saved_activation_bytes(lm, int(n), padded) for n in PROBE_LENGTHS]
     design = np.stack([np.ones_like(lengths), lengths, lengths**2], axis=1)
     return np.linalg.lstsq(design, np.asarray(measured, dtype=np.float64), rcond=None)[0]
+
+
+def image_token_bytes(lm: Any) -> float:
+    """Bytes autograd keeps per image token beyond what a text token keeps, for a vision-language model (0 for
+    others): its vision tower's and connector's activations, measured as the `saved_bytes` of a packed row of
+    `vlm.probe_documents` (images of two sizes: Idefics3 tiles and LLaVA images of the model's own size) less those
+    of the same tokens without the images, over its image tokens."""
+    hf = lm.hf_model
+    if getattr(hf.config, "vision_config", None) is None:
+        return 0.0
+    batch = pack_vlm_documents(hf, probe_documents(hf.config))
+    batch = {k: v.to(lm.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    text = {k: v for k, v in batch.items() if k not in IMAGE_KEYS}  # the image tokens read as text tokens
+    image_tokens = int((batch[INPUT_IDS] == hf.config.image_token_id).sum())
+    return max(0.0, (saved_bytes(lm, batch) - saved_bytes(lm, text)) / image_tokens)

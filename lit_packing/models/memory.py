@@ -16,7 +16,11 @@ measured). Activations are measured, not modelled: a forward of the real model o
 short probes (64, 128, 256 tokens) records what autograd saves (`saved_tensors_hooks`), fitted as
 a + b * tokens + c * pairs (pairs: the attention cost, sum(L^2) packed, rows x width^2 padded), then scaled to the
 largest step.
-Gradient checkpointing keeps each layer's input plus one recomputed layer instead. Sharded with FSDP2, parameters,
+Gradient checkpointing keeps each layer's input plus one recomputed layer instead. A vision-language model's images
+add what its vision tower and connector keep, measured per image token on documents with images made from its
+config (`activations.image_token_bytes`); the plan knows a step's tokens, not which of them hold images, so every
+slot of the step counts as an image token (a bound: configs/vlm.yaml's chats hold 80 image tokens in ~133; counted
+whole under gradient checkpointing too). Sharded with FSDP2, parameters,
 gradients and AdamW's states count this rank's shard only (1/N of each over N data-parallel ranks), plus what is
 gathered whole at once: the root's parameters and two decoder layers' (`sharding.gathered_parameter_bytes`); the
 start-up line says so; with `cpu_offload` on a GPU, the shards in host memory are not counted on the device (not
@@ -45,7 +49,7 @@ import torch
 from lit_packing._compat import attached_trainer
 from lit_packing.batch import StepShape
 from lit_packing.errors import StepMemoryError
-from lit_packing.models.activations import activation_model
+from lit_packing.models.activations import activation_model, image_token_bytes
 from lit_packing.models.quantize import adamw_8bit_state_bytes, is_quantized
 from lit_packing.models.sharding import gathered_numel, gathered_parameter_bytes, gradient_accumulation, local_tensor
 
@@ -92,11 +96,13 @@ class MemoryEstimate:
     context: int = 1
     heap: int = 0
     accumulated: int = 0
+    vision: int = 0
 
     @property
     def peak(self) -> int:
         # A later micro-batch's backward runs beside the gradients the earlier ones accumulated.
-        backward_start = self.activations + self.logits + self.head_gradient + self.heap + self.accumulated
+        backward_start = self.activations + self.vision + self.logits + self.head_gradient + self.heap
+        backward_start += self.accumulated
         optimizer_step = 2 * self.gradients
         fixed = self.resident + self.optimizer + self.autocast_weights + self.gathered
         return fixed + max(backward_start, optimizer_step)
@@ -118,13 +124,17 @@ class MemoryEstimate:
                 "optimizer",
                 "autocast_weights",
                 "activations",
+                "vision",
                 "logits",
                 "gradients",
                 "heap",
                 "accumulated",
             )
-            if name not in ("heap", "accumulated") or getattr(self, name)  # the allocator's share; accumulation's
+            # the vision tower's, the allocator's share, accumulation's: where there are some
+            if name not in ("vision", "heap", "accumulated") or getattr(self, name)
         )
+        if self.vision:
+            parts += " (vision: the vision tower's activations, every slot of the step an image token at most)"
         cap = f"; model.memory_limit_gb limits the whole process to {self.limit / GiB:.2f} GiB" if self.capped else ""
         if self.context > 1:
             parts += f" (activations of this rank's 1/{self.context} of the pack and the keys it gathers)"
@@ -196,6 +206,8 @@ class MemoryModel:
         key_value_bytes: bytes per token of one layer's keys and values, which a context-parallel rank gathers.
         heap_retention: the share of a step's transient bytes the allocator keeps beyond the live tensors
             (`CPU_HEAP_RETENTION` on a CPU, 0 on a GPU).
+        image_token_bytes: what a vision-language model's vision tower and connector keep per image token
+            (`activations.image_token_bytes`; 0 without a vision tower).
     """
 
     device: str
@@ -220,6 +232,7 @@ class MemoryModel:
     context: int = 1
     key_value_bytes: int = 0
     heap_retention: float = 0.0
+    image_token_bytes: float = 0.0
 
     def estimate(self, step: StepShape) -> MemoryEstimate:
         """The predicted peak of training on `step` (see the module docstring), from the probes already run."""
@@ -240,6 +253,7 @@ class MemoryModel:
         else:
             activations = full + full / self.layers + self.layers * keys  # + a layer's gradients in the backward
         activations = int(activations)
+        vision = int(self.image_token_bytes * step.slot_tokens)  # at most every slot holds an image's token
         rows = tokens if self.loss_impl == "full" else min(tokens, self.loss_chunk_size)
         logits = rows * self.vocab_size * LOGIT_BYTES
         # A logits buffer of glibc's largest mmap threshold or more is always mapped, and returned when freed.
@@ -262,7 +276,8 @@ class MemoryModel:
             gathered=self.gathered,
             accumulated=self.accumulated,
             context=self.context,
-            heap=max(0, int(self.heap_retention * (activations + heap_logits)) - 2 * self.gradients),
+            heap=max(0, int(self.heap_retention * (activations + vision + heap_logits)) - 2 * self.gradients),
+            vision=vision,
         )
 
 
@@ -344,6 +359,7 @@ def memory_model(lm: Any, precision: str, padded: bool) -> MemoryModel:
         context=lm.context.size if getattr(lm, "context", None) is not None else 1,
         key_value_bytes=2 * kv_heads * head_dim * (2 if mixed else next(hf.parameters()).element_size()),
         heap_retention=CPU_HEAP_RETENTION if device.type == "cpu" else 0.0,
+        image_token_bytes=image_token_bytes(lm),
     )
 
 

@@ -7,12 +7,19 @@ examples see each other when they differ.
 `find_leak` hooks every module, splits the packed run at the boundaries and compares it with each example's run:
 the first module whose output differs is the mixer, attention or position embedding at fault, e.g.
 `model.layers.0.mamba (BambaMixer)`. The construction probe (`probe.py`) uses it too.
+
+A vision-language model is also checked on documents with images (`check_image_isolation`): the self-test has the
+model, not its processor, so they are made from its config (`vlm.probe_documents`: random pixels, images of two
+sizes, the family's image tokens), packed as the collator packs them (`vlm.pack_vlm_documents`) and compared with
+each document run alone, its images through the tower alone and its positions the model's own. A vision tower
+that sees another document's images, or positions that run on across documents, fail it, named.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +35,7 @@ from lit_packing.batch import (
     LABELS,
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
+    MM_TOKEN_TYPE_IDS,
     POSITION_IDS,
     PROMPTS,
     continuation_prompts,
@@ -37,6 +45,7 @@ from lit_packing.errors import IsolationError
 from lit_packing.models.context import ContextGroup, deal, deal_of, plan
 from lit_packing.models.kernels import compute_dtype
 from lit_packing.models.mixers import MIXER_CLASS
+from lit_packing.models.vlm import ROW_BOUNDS, exact_family, pack_vlm_documents, probe_documents
 
 # What to do when a module keeps packed examples from being isolated.
 PADDED_FIX = (
@@ -66,7 +75,8 @@ def sample_packed(
     """A small packed batch from the first examples of `batch`, each cut to its first tokens.
 
     Causal attention makes a prefix of an example behave exactly as the example does, so the cut keeps the test
-    exact while bounding its cost. The batch's own position ids are kept (a collator bug shows up).
+    exact while bounding its cost. The batch's own position ids are kept (a collator bug shows up); of mRoPE's rows
+    the text row, on every row (the sample carries no pixels: an image token in it reads as text).
     Lengths 300, 40, 700 with max_example_tokens=256 -> 256, 40, 256; cu_seq_lens [0 256 296 552].
 
     With `vocab_size`, the sample always holds exactly `max_examples` examples: a batch with fewer (an empty
@@ -89,7 +99,8 @@ def sample_packed(
     ][:max_examples]
     index = [torch.cat([torch.arange(a, b) for a, b in spans])[:max_example_tokens] for spans in examples]
     ids = [batch[INPUT_IDS][0].cpu()[i] for i in index]
-    pos = [batch[POSITION_IDS][0].cpu()[i] for i in index]
+    positions = batch[POSITION_IDS]  # (1, T), or mRoPE's (4, 1, T), its text row first
+    pos = [positions.reshape(-1, positions.shape[-1])[0].cpu()[i] for i in index]
     if vocab_size is not None:
         gen = torch.Generator().manual_seed(0)
         for j in range(max_examples - len(examples)):
@@ -98,9 +109,12 @@ def sample_packed(
     lengths = [len(x) for x in ids]
     device = batch[INPUT_IDS].device
     new_cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    pos = torch.cat(pos)[None]
+    if positions.dim() == 3:  # (rows, 1, T): text only, so every row is the text row
+        pos = pos.expand(positions.shape[0], 1, -1)
     return {
         INPUT_IDS: torch.cat(ids)[None].to(device),
-        POSITION_IDS: torch.cat(pos)[None].to(device),
+        POSITION_IDS: pos.to(device),
         CU_SEQ_LENS_Q: new_cu,
         CU_SEQ_LENS_K: new_cu,
         MAX_LENGTH_Q: max(lengths),
@@ -173,6 +187,8 @@ def check_isolation(
     failed = not diff <= tol  # also catches nan
     if any_rank(failed, group):  # every rank runs find_leak's forwards: a sharded model's gathers stay matched
         where = blame(find_leak(model, small, reference, relative), base)
+    # The same documents on every rank, each its forwards: a sharded model's gathers stay matched here too.
+    images = check_image_isolation(model, reference, relative) if _has_vision(base) else None
     with agreed(group):
         if failed:
             raise IsolationError(
@@ -180,7 +196,114 @@ def check_isolation(
                 f"logits by max abs {diff:.3g} > tolerance {tol:.3g} ({dtype}, {len(cu) - 1} examples, {cu[-1]} "
                 f"tokens). {where}; isolation_check=false switches this test off"
             )
-    return diff
+        if images is not None and images.problem:
+            raise IsolationError(
+                f"isolation self-test failed for attn_backend={backend} on documents with images: {images.problem}; "
+                "isolation_check=false switches this test off"
+            ) from images.error
+    return diff if images is None else max(diff, images.diff)
+
+
+@dataclass(frozen=True)
+class ImageIsolation:
+    """What `check_image_isolation` found: the max abs difference of the logits (inf where the packed forward
+    raised `error`), the tolerance, and what went wrong and why ("" when every document agrees with itself alone)."""
+
+    diff: float
+    tol: float
+    problem: str = ""
+    error: Exception | None = None
+
+
+@torch.no_grad()
+def check_image_isolation(model: PreTrainedModel, reference: str, rtol: float) -> ImageIsolation:
+    """Pack a vision-language model's `probe_documents` (a text document and two with images of two sizes) as the
+    collator does, run the packed row, and compare each document's logits with the document run alone (its images
+    only through the tower, the model's own positions, transformers' `reference` attention). Eval mode, restored.
+
+    Args:
+        model: the packed transformers model (a peft model is fine), of a family `vlm.exact_family` admits.
+        reference: transformers attention for the per-document forwards.
+        rtol: allowed max abs difference relative to max(1, max |logits| alone).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    family = exact_family(base.config)
+    documents = probe_documents(base.config)
+    batch = pack_vlm_documents(base, documents)
+    cu = batch[CU_SEQ_LENS_Q].tolist()
+    tower = base.get_submodule(family.layout.tower)
+    handed: set[str] = set()  # the row's bounds that reached the tower (past `keep_tower_apart`, hooked before)
+    hook = tower.register_forward_pre_hook(lambda m, a, kw: handed.update(ROW_BOUNDS & set(kw)), with_kwargs=True)
+    was_training = model.training
+    model.eval()
+    diff = scale = torch.zeros((), device=base.device)
+    raised = None
+    try:
+        try:
+            packed = model(**model_inputs(batch, base.device), use_cache=False).logits[0].float()  # (T, V)
+        except Exception as error:  # a backend refusing the bounds the tower got, say: named below
+            packed, raised = None, error
+        finally:
+            hook.remove()
+        with attn_implementation_set(base, reference):
+            for document, start, end in zip(documents, cu[:-1], cu[1:]):
+                alone = model(**_alone(document, family.route, base), use_cache=False).logits[0].float()
+                if packed is not None:
+                    diff = torch.maximum(diff, (packed[start:end] - alone).abs().amax())
+                scale = torch.maximum(scale, alone.abs().amax())
+    finally:
+        model.train(was_training)
+    diff = float("inf") if raised is not None else float(diff)
+    tol = rtol * max(1.0, float(scale))
+    if diff <= tol:
+        return ImageIsolation(diff, tol)
+    what = (
+        f"the packed forward raised {type(raised).__name__}: {str(raised).strip()[:300]}"
+        if raised is not None
+        else f"packed logits differ from each document run alone by max abs {diff:.3g} > tolerance {tol:.3g}"
+    )
+    where = f"a text document and two with images of two sizes, {cu[-1]} tokens, made from the model's config"
+    why = _image_blame(handed, batch, cu, family.layout.tower, tower)
+    return ImageIsolation(diff, tol, f"{what} ({where}). {why}", raised)
+
+
+def _alone(document: Mapping[str, torch.Tensor], route: str, base: PreTrainedModel) -> dict[str, Any]:
+    """One probe document as the model takes it alone: (1, L) ids, its images, no positions (the model's own)."""
+    inputs = {key: value.to(base.device) for key, value in document.items()}
+    inputs[INPUT_IDS] = inputs[INPUT_IDS][None]
+    if route != "1d":  # mRoPE's `get_rope_index` reads the tokens' types
+        inputs[MM_TOKEN_TYPE_IDS] = (inputs[INPUT_IDS] == base.config.image_token_id).int()
+    return inputs
+
+
+def _image_blame(handed: set[str], batch: Mapping[str, Any], cu: list[int], name: str, tower: torch.nn.Module) -> str:
+    """What lets documents with images see each other, and the fix: the tower handed the row's bounds, positions
+    that do not restart at each document, or (neither seen) something else that mixes them."""
+    if handed:
+        return (
+            f"The vision tower {name} ({type(tower).__name__}) was handed the row's bounds ({', '.join(sorted(handed))}"
+            "): its attention cuts or refuses its images at the documents' bounds, not its own. Build the model "
+            "through lit_packing.core.pack_model(model), which keeps them from it (lit_packing.models.vlm."
+            "keep_tower_apart)"
+        )
+    positions = batch[POSITION_IDS]
+    first = positions[..., cu[:-1]].reshape(-1, len(cu) - 1)  # (rows, documents): each document's first positions
+    late = [i for i in range(len(cu) - 1) if bool(first[:, i].any())]
+    if late:
+        return (
+            f"The row's positions do not restart at each document (document {late[0]} starts at "
+            f"{first[:, late[0]].tolist()}, not 0): they run on across documents, and attention that reads the "
+            "bounds from them joins the documents. Each document's positions are its own: lit_packing.models.vlm."
+            "add_images (the collator's) computes them"
+        )
+    return (
+        "The tower got none of the row's bounds and every document's positions restart, so the images' features "
+        f"or the model's own masks mix the documents by other means; {PADDED_FIX.removeprefix('or ')}"
+    )
+
+
+def _has_vision(base: PreTrainedModel) -> bool:
+    return getattr(base.config, "vision_config", None) is not None
 
 
 def _packed_logits(model: torch.nn.Module, small: dict[str, Any], context: ContextGroup | None) -> torch.Tensor:

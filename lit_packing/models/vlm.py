@@ -46,6 +46,8 @@ from transformers import AutoModel, PretrainedConfig, PreTrainedModel
 
 from lit_packing.batch import (
     CONTEXT,
+    CU_SEQ_LENS_K,
+    CU_SEQ_LENS_Q,
     GATHERED_INDEX,
     IGNORE_INDEX,
     IMAGE_GRID_THW,
@@ -53,13 +55,15 @@ from lit_packing.batch import (
     INPUT_IDS,
     KEY_INDEX,
     LABELS,
+    MAX_LENGTH_K,
+    MAX_LENGTH_Q,
     MM_TOKEN_TYPE_IDS,
     PACKED_KEYS,
     PIXEL_ATTENTION_MASK,
     PIXEL_VALUES,
     POSITION_IDS,
+    SEQ_IDX,
 )
-from lit_packing.data.collate import PackedCollator
 from lit_packing.errors import ConfigError, DataError
 
 # What a packed row says of its documents' bounds: the language model's, never the vision tower's.
@@ -226,8 +230,9 @@ def pack_vlm_documents(
             (images, C, H, W) (LLaVA).
 
     Returns:
-        `input_ids`, `labels` (1, T); `position_ids` (1, T), or (4 | 3, 1, T) for mRoPE; `cu_seq_lens_q/k`,
-        `max_length_q/k`, `seq_idx`, `counts`, `lengths`; the images' keys concatenated in document order.
+        `input_ids`, `labels` (1, T) (each document's first label -100, as `PackedCollator` masks it);
+        `position_ids` (1, T), or (4 | 3, 1, T) for mRoPE; `cu_seq_lens_q/k`, `max_length_q/k`, `seq_idx`; the
+        images' keys concatenated in document order.
 
     Raises:
         ConfigError: the family is not exact under packing (`vlm_family`).
@@ -236,11 +241,20 @@ def pack_vlm_documents(
     config = model_or_config if isinstance(model_or_config, PretrainedConfig) else model_or_config.config
     docs = [{**d, INPUT_IDS: torch.as_tensor(d[INPUT_IDS]).reshape(-1)} for d in documents]
     docs = [d for d in docs if len(d[INPUT_IDS])]
-    labels = [d.get(LABELS) for d in docs]
-    batch = PackedCollator().collate_examples([
-        {INPUT_IDS: d[INPUT_IDS].numpy(), LABELS: (d[INPUT_IDS].masked_fill(d[INPUT_IDS] == config.image_token_id,
-         IGNORE_INDEX) if y is None else torch.as_tensor(y).reshape(-1)).numpy()} for d, y in zip(docs, labels)
-    ])  # fmt: skip
+    image = config.image_token_id
+    labels = [d[INPUT_IDS].masked_fill(d[INPUT_IDS] == image, IGNORE_INDEX) if d.get(LABELS) is None
+              else torch.as_tensor(d[LABELS]).reshape(-1).clone() for d in docs]  # fmt: skip
+    for y in labels:
+        y[0] = IGNORE_INDEX  # no token before a document's first predicts it
+    lengths = torch.tensor([len(d[INPUT_IDS]) for d in docs])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()])
+    longest = int(lengths.max())
+    batch = {
+        INPUT_IDS: torch.cat([d[INPUT_IDS] for d in docs])[None], LABELS: torch.cat(labels)[None],
+        POSITION_IDS: torch.cat([torch.arange(n) for n in lengths.tolist()])[None],
+        CU_SEQ_LENS_Q: cu, CU_SEQ_LENS_K: cu.clone(), MAX_LENGTH_Q: longest, MAX_LENGTH_K: longest,
+        SEQ_IDX: torch.repeat_interleave(torch.arange(len(docs), dtype=torch.int32), lengths)[None],
+    }  # fmt: skip
     return add_images(batch, model_or_config, docs)
 
 
@@ -349,3 +363,50 @@ def keep_tower_apart(model: PreTrainedModel) -> torch.nn.Module:
 
 def _base(model: torch.nn.Module) -> PreTrainedModel:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def probe_documents(config: PretrainedConfig, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Documents with random images, made from the config alone (no processor), in `pack_vlm_documents`' format:
+    a text document, one with a small image, one with a large image then a small one (Qwen-VL: grids of 2 x 2 and
+    2 x 3 merged patches; Idefics3 / SmolVLM: 1 and 2 tiles; LLaVA, whose images have one size: one image each).
+    Each image's tokens are the family's count (`ImageLayout.tokens`) of `image_token_id`, between random text
+    tokens that are none of the config's special ids. The isolation self-test packs them; the memory estimate
+    measures the vision tower on them.
+
+    >>> from transformers import AutoConfig
+    >>> docs = probe_documents(AutoConfig.for_model("llava"))
+    >>> [int((d["input_ids"] == 32000).sum()) for d in docs], tuple(docs[2]["pixel_values"].shape)
+    ([0, 576, 1152], (2, 3, 336, 336))
+    """
+    layout = exact_family(config).layout
+    vision, gen = config.vision_config, torch.Generator().manual_seed(seed)
+    special = {v for k, v in config.to_dict().items() if k.endswith(("token_id", "token_index")) and isinstance(v, int)}
+    special = torch.tensor(sorted(special | {config.image_token_id}))
+    plain = next(i for i in range(len(special) + 1) if i not in special)  # stands in for a special id drawn
+
+    def text(n: int) -> torch.Tensor:
+        ids = torch.randint(config.get_text_config().vocab_size, (n,), generator=gen)
+        return ids.masked_fill(torch.isin(ids, special), plain)
+
+    def image(large: bool) -> dict[str, torch.Tensor]:  # one image's tensors in the family's keys
+        if layout is QWEN:
+            merge, patch = vision.spatial_merge_size, vision.patch_size
+            grid = torch.tensor([[1, 2 * merge, (3 if large else 2) * merge]])
+            width = getattr(vision, "in_channels", 3) * vision.temporal_patch_size * patch**2
+            return {PIXEL_VALUES: torch.randn(int(grid.prod()), width, generator=gen), IMAGE_GRID_THW: grid}
+        size, channels = vision.image_size, getattr(vision, "num_channels", 3)
+        if layout is IDEFICS:
+            tiles = 2 if large else 1
+            pixels = torch.randn(1, tiles, channels, size, size, generator=gen)
+            return {PIXEL_VALUES: pixels, PIXEL_ATTENTION_MASK: torch.ones(1, tiles, size, size, dtype=torch.bool)}
+        return {PIXEL_VALUES: torch.randn(1, channels, size, size, generator=gen)}
+
+    documents = [{INPUT_IDS: text(6)}]
+    for images in ([image(False)], [image(True), image(False)]):
+        ids = [text(4)]
+        for one in images:
+            ids += [torch.full((layout.tokens(config, one),), config.image_token_id), text(3)]
+        tensors = {key: torch.cat([one[key] for one in images], dim=axis) for key, axis in layout.keys
+                   if key in images[0]}  # fmt: skip
+        documents.append({INPUT_IDS: torch.cat(ids), **tensors})
+    return documents
