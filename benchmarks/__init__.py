@@ -12,5 +12,6 @@ targets and the plot; `common.py` holds what they share (starting a benchmark mo
 clock, peak memory), so that no two benchmark modules import each other. The focused measurements live here too, each
 `python -m benchmarks.<name> --help`: `loss_parity`, `loss_memory`, `auto_budget`, `attention_throughput`,
 `compile_speed`, `packing_speed`, `stream_fill`, `stream_pipeline`, `cache_check`, `plot_metrics`, `grpo_throughput`
-(the GRPO step against TRL's `GRPOTrainer`, like for like).
+(the GRPO step against TRL's `GRPOTrainer`, like for like), `vlm` (packed image chats against the Hugging Face
+Trainer's padded batch of the same chats).
 """

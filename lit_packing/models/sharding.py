@@ -88,7 +88,7 @@ def shard_plan(model: torch.nn.Module) -> ShardPlan:
     base = _base(model)
     names = set(getattr(base, "_no_split_modules", None) or ())
     within = ""
-    if getattr(base.config, "vision_config", None) is not None:
+    if getattr(getattr(base, "config", None), "vision_config", None) is not None:
         decoder = base.get_decoder()
         names = set(getattr(decoder, "_no_split_modules", None) or ())
         within = next(name for name, module in base.named_modules() if module is decoder) + "."
