@@ -24,13 +24,16 @@ clip). Then the next round samples from the updated policy. Every round is whole
 with empty packs). The fit's `trainer.max_steps` bounds the rounds; without it (gpu.yaml's whole epoch) the fit is
 one pass over the prompts, said at start.
 
-Generation runs between optimizer steps, in the training process, by the policy the step before the round left. The
-round's rollout metrics (`round_stats`, TRL's meanings) are logged at each of its steps; training's effective
-tokens/s counts the training steps only, the round's making being on `batch["round"]["clock"]`. Each batch marks the
-completions cut at `max_new_tokens` (`batch["round"]["truncated"]`, for `GRPO(mask_truncated_completions=True)`). The
-round's first step trains the policy that sampled it, and `GRPO` checks there that the training forward scores the
-sampled tokens as the sampler did; past it, in half precision, the ratio's old log-probs are the trainer's
-(`round_scoring.round_old_logps`, `batch["round"]["old_logps"]`, kept in the round's file).
+Generation runs between optimizer steps, in the training process, by the policy the step before the round left. A
+sharded policy (FSDP2, tensor parallel) runs each forward as a collective: every rank samples (its prompts, or none) in
+step with the others (`rollouts.sample_groups`), and the old-log-probs pass runs every pack (context parallel is
+refused). The round's rollout metrics (`round_stats`, TRL's meanings) are logged at each of its steps; training's
+effective tokens/s counts the training steps only, the round's making being on `batch["round"]["clock"]`. Each batch
+marks the completions cut at `max_new_tokens` (`batch["round"]["truncated"]`, for
+`GRPO(mask_truncated_completions=True)`). The round's first step trains the policy that sampled it, and `GRPO` checks
+there that the training forward scores the sampled tokens as the sampler did; past it, in half precision, the ratio's
+old log-probs are the trainer's (`round_scoring.round_old_logps`, `batch["round"]["old_logps"]`, kept in the round's
+file).
 
 A checkpoint keeps the round and the micro-batch inside it: a resume reads the round's file back and samples the
 next rounds from the restored policy, as the uninterrupted run would.
@@ -49,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import datasets
 import numpy as np
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 from lit_packing._compat import data_parallel
 from lit_packing.batch import INDEX, ROUND, StepShape
@@ -70,6 +73,7 @@ from lit_packing.data.round_scoring import (
 from lit_packing.data.sources import Source
 from lit_packing.data.tokenize import TokenizedDataset, tokenize_dataset
 from lit_packing.errors import ConfigError, DataError, check_range
+from lit_packing.models.context import CP_SIZE_SETTING
 from lit_packing.models.engines import GenerateEngine, RolloutEngine, SamplingSettings
 from lit_packing.models.rollouts import end_of_sequence_ids
 from lit_packing.samplers import PlannedBatchSampler
@@ -216,10 +220,7 @@ class OnPolicyFeed(Feed):
             rounds = -(-len(self.prompts) // self.source.prompts_per_round)
             log.warning("on-policy: trainer.max_steps is not set: one pass over the %s prompts, %s rounds of %s",
                         f"{len(self.prompts):,}", f"{rounds:,}", self.source.prompts_per_round)  # fmt: skip
-        if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
-            raise ConfigError("trainer.strategy", f"on-policy rollouts are sampled by the whole policy on each rank; "
-                              f"{type(trainer.strategy).__name__} shards it (sharded sampling is not built yet)",
-                              "use ddp (or one device), or train on stored rollouts")  # fmt: skip
+        refuse_strategy(trainer.strategy)
         if self.settings.num_workers:  # e.g. gpu.yaml's 4 after grpo.yaml: said, not refused
             log.warning("on-policy: data.num_workers=%s is not used: rounds are sampled and collated in the "
                         "training process", self.settings.num_workers)  # fmt: skip
@@ -346,9 +347,7 @@ class RoundLoader:
 
     def _more(self, number: int, steps: int) -> bool:
         """Whether round `number` trains, `steps` optimizer steps into the fit."""
-        if self.rounds is not None:
-            return number < self.rounds
-        return steps < self.trainer.max_steps
+        return number < self.rounds if self.rounds is not None else steps < self.trainer.max_steps
 
     def _plan(self, dataset: TokenizedDataset, number: int, iteration: int) -> list[Pack]:
         """This rank's packs of one pass over round `number`, whole optimizer steps (the last completed with empty
@@ -401,19 +400,17 @@ class RoundLoader:
         source = self.source
         began = time.perf_counter()
         self.engine.update_weights(policy.model)  # the policy the step before the round left
-        groups: list[dict] = []
-        seconds = 0.0
-        if mine:
-            prompts = self.feed.prompts.select(mine)
-            columns = {name: prompts[name] for name in prompts.column_names if name != "prompt"}
-            settings = source.settings(policy.temperature, seed=source.seed * 1_000_003 + number * 1_009 + rank)
-            groups = [group.row() for group in self.engine.sample(prompts["prompt"], settings)]
-            seconds = time.perf_counter() - began
-            for k, (group, row) in enumerate(zip(groups, mine)):
-                group["prompt_row"] = row
-                group.update({name: values[k] for name, values in columns.items()})
-            functions = [import_reward(path) for path in source.reward_funcs]
-            sum_rewards(groups, dict(zip(self.reward_names, functions)), columns)
+        # Every rank samples, with no prompts too: a sharded policy's ranks step together (`rollouts.sample_groups`)
+        prompts = self.feed.prompts.select(mine)
+        columns = {name: prompts[name] for name in prompts.column_names if name != "prompt"}
+        settings = source.settings(policy.temperature, seed=source.seed * 1_000_003 + number * 1_009 + rank)
+        groups = [group.row() for group in self.engine.sample(prompts["prompt"], settings)]
+        seconds = time.perf_counter() - began if mine else 0.0
+        for k, (group, row) in enumerate(zip(groups, mine)):
+            group["prompt_row"] = row
+            group.update({name: values[k] for name, values in columns.items()})
+        functions = [import_reward(path) for path in source.reward_funcs]
+        sum_rewards(groups, dict(zip(self.reward_names, functions)), columns)
         generated = sum(len(c) for g in groups for c in g["completions"])
         gathered = gather_groups(scored_groups(groups, number), world)
         gathered.sort(key=lambda g: rows.index(g["prompt_row"]))
@@ -421,7 +418,7 @@ class RoundLoader:
             raise DataError(f"on-policy round {number}: no reward function scored any completion (each returned None): "
                             f"check {SETTING}.reward_funcs and the prompts' columns they read (an answer that "
                             "does not parse), or raise prompts_per_round")  # fmt: skip
-        out = [_row(group) for group in gathered]
+        out = [{k: v for k, v in g.items() if k not in ("texts", "function_rewards")} for g in gathered]  # stored rows
         advantages = policy.round_advantages(out)
         for row, values in zip(out, advantages or []):  # advantages of the whole round (`scale_rewards: batch`)
             row["advantages"] = values
@@ -436,9 +433,7 @@ class RoundLoader:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.round_file(number)
         partial = path.with_suffix(".partial")
-        with open(partial, "w") as file:
-            for row in rows:
-                file.write(json.dumps(row) + "\n")
+        partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
         os.replace(partial, path)
 
     def _read(self, number: int) -> list[dict]:
@@ -493,6 +488,11 @@ class RoundLoader:
         self.restored = f"on-policy round {state['round']:,}, micro-batch {state['inside']:,} of it"
 
 
-def _row(group: dict) -> dict:
-    """A sampled group as a stored-rollouts row (what `HFDataset` reads back), its prompt's row kept as `prompt_row`."""
-    return {k: v for k, v in group.items() if k not in ("texts", "function_rewards")}
+def refuse_strategy(strategy: Any) -> None:
+    """A strategy whose ranks cannot each sample their prompts from the policy, refused in one line."""
+    if getattr(strategy, "context_parallel_size", 1) > 1:
+        raise ConfigError(CP_SIZE_SETTING, "on-policy rounds are sampled and scored by whole sequences on each rank, "
+                          "and context parallel splits each one's tokens over its ranks", "set it to 1")  # fmt: skip
+    if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)):
+        raise ConfigError("trainer.strategy", f"on-policy rollouts are not sampled under {type(strategy).__name__}",
+                          "use ddp, fsdp2 (ShardedStrategy) or one device, or train on stored rollouts")  # fmt: skip

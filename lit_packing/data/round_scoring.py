@@ -154,16 +154,19 @@ def trainer_logps(model, packs: list[list[dict]], collate: Callable, temperature
                   to_device: Callable) -> dict[int, list[float]]:  # fmt: skip
     """Each group's completion-token log-probs (flat, by its item's `index`) under `model`'s forward as the training
     step computes them (packs collated by `collate`, moved by `to_device`, the chunked head, logits /
-    `temperature`, under the trainer's precision `context()`), no gradient, in eval mode."""
+    `temperature`, under the trainer's precision `context()`), no gradient, in eval mode. One forward per pack, an
+    empty pack's included (one masked token): a sharded model's forwards are collectives, and every rank's plan has
+    as many packs as the others', so every rank runs as many forwards; its gathered parameters are freed after."""
     from lit_packing.models.grpo import completion_logps
     from lit_packing.models.head import head_inputs
+    from lit_packing.models.sharding import reshard
 
     found: dict[int, list[float]] = {}
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), context():
-            for items in filter(None, packs):
+            for items in packs:
                 batch = to_device(collate(items))
                 logps = completion_logps(head_inputs(model, batch), batch, temperature).logps.tolist()
                 start = 0
@@ -173,6 +176,7 @@ def trainer_logps(model, packs: list[list[dict]], collate: Callable, temperature
                     start += n
     finally:
         model.train(was_training)
+    reshard(model)  # no backward follows: the root's parameters, gathered in the first forward, freed
     return found
 
 
@@ -205,9 +209,11 @@ def round_old_logps(rows: list[dict], dataset, plan: list, model, temperature: f
 
 
 def gather_groups(groups: list, world: int) -> list:
-    """Every rank's groups, on every rank (one object collective that every rank reaches at each round)."""
+    """Every one of the `world` data-parallel ranks' groups, on every rank (one object collective that every rank
+    reaches at each round). A tensor-parallel rank holds its data-parallel rank's groups, as its peers do: Lightning's
+    mesh puts the data-parallel dim outermost, so the peers are consecutive ranks, and the first one's are kept."""
     if world == 1 or not torch.distributed.is_initialized():
         return list(groups)
     gathered: list[list | None] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, groups)
-    return [group for part in gathered for group in (part or [])]
+    return [group for part in gathered[:: len(gathered) // world] for group in (part or [])]

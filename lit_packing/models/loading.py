@@ -16,7 +16,13 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    GenerationConfig,
+    PreTrainedModel,
+)
 
 from lit_packing.agree import agreed
 from lit_packing.assets import resolve_pretrained
@@ -215,6 +221,9 @@ def model_skeleton(
                 config, attn_implementation=implementation, dtype=torch_dtype(dtype) or torch.float32
             )
         )
+    if model_config is None and lm.can_generate():  # as from_pretrained: the folder's generation config (its end ids)
+        with contextlib.suppress(OSError):  # none shipped: the one from_config made of the model's config
+            lm.generation_config = GenerationConfig.from_pretrained(resolve_pretrained(name_or_path))
     rows = lm.get_input_embeddings().weight.shape[0]
     if model_config is None and vocab_size is not None and vocab_size > rows:
         if not resize:

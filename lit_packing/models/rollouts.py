@@ -19,6 +19,14 @@ Every draw is from that distribution: `generate` fills each setting a call leave
 (Qwen2.5-Instruct's `repetition_penalty` 1.05; `suppress_tokens`, `no_repeat_ngram_size`, `bad_words_ids`,
 `min_new_tokens`, ...). Sampling sets the temperature, the cut, the limit and the end and pad ids, and nothing
 else: the model's other fields are cleared for the call, and named once in the log.
+
+A sharded policy (FSDP2, tensor parallel: `is_sharded`) runs every forward as a collective (each layer all-gathers
+its shards), so every rank must run as many forwards as the others, whatever its prompts: `generate` steps all ranks
+together (`synced_gpus`: a rank whose completions have all ended keeps running forwards, its draws stopped, until
+every rank's have; transformers sets it by itself for DeepSpeed ZeRO-3 and FSDP1 only), and every rank makes as many
+`generate` calls as the rank with the most prompts (agreed with one all-reduce; the extra calls run on a stand-in
+prompt and their completions are dropped, after the real ones, so a rank's draws are the ones an unsharded policy
+makes from the same seed).
 """
 
 from __future__ import annotations
@@ -32,7 +40,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import GenerationConfig
+
+from lit_packing.models.sharding import is_sharded, reshard
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +64,7 @@ NON_DRAW_FIELDS = (
     "disable_compile",
 )
 _said: set[str] = set()  # the log lines said once in this process
+STAND_IN: Prompt = "Hi"  # what a rank with fewer prompts generates from in the calls it makes to keep step (dropped)
 
 
 def end_of_sequence_ids(model, tokenizer) -> list[int]:
@@ -110,6 +122,28 @@ def _say_cleared(model, temperature: float, top_k: int, top_p: float) -> None:
         log.info(line)
 
 
+def synced_generation(model) -> bool:
+    """Whether `model`'s forwards are collectives (a sharded policy in a process group): then every rank runs as many
+    `generate` calls and forwards as the others (the module docstring)."""
+    return is_sharded(model) and torch.distributed.is_initialized()
+
+
+def compute_device(model) -> torch.device:
+    """Where `model` computes: its parameters' device; a sharded parameter's mesh device, where FSDP2 gathers it for
+    a forward (with `cpu_offload` the shards themselves stay on the host, where NCCL takes no tensor)."""
+    param = next(model.parameters())
+    if isinstance(param, DTensor) and param.device_mesh.device_type != param.device.type:
+        return torch.device(param.device_mesh.device_type, torch.accelerator.current_device_index())
+    return param.device
+
+
+def agreed_calls(calls: int, device: torch.device) -> int:
+    """The most `generate` calls any rank needs, on every rank: one all-reduce on the compute `device`."""
+    most = torch.tensor([calls], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    return int(most.item())
+
+
 @torch.no_grad()
 def sample_groups(
     model,
@@ -125,9 +159,11 @@ def sample_groups(
 ) -> list[dict]:
     """`group_size` sampled completions of each prompt: `[{"prompt", "completions" (token ids), "texts",
     "behaviour_logps"}]`, `batch_prompts` prompts (x group_size sequences) per `generate` call; `top_k` (0: off) and
-    `top_p` (1: off) cut the tokens drawn from."""
+    `top_p` (1: off) cut the tokens drawn from. A sharded `model` is called on every rank of its process group, each
+    with its own prompts (none included): the ranks step together (the module docstring), and its gathered
+    parameters are freed after."""
     torch.manual_seed(seed)
-    device = next(model.parameters()).device
+    device = compute_device(model)
     ends = end_of_sequence_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (ends or [0])[0]
     config = GenerationConfig(
@@ -136,19 +172,15 @@ def sample_groups(
         return_dict_in_generate=True,
     )  # fmt: skip
     _say_cleared(model, temperature, top_k, top_p)
+    synced = synced_generation(model)
+    chunks = [list(prompts[start : start + batch_prompts]) for start in range(0, len(prompts), batch_prompts)]
+    calls = agreed_calls(len(chunks), device) if synced else len(chunks)
     groups = []
-    for start in range(0, len(prompts), batch_prompts):
-        chunk = list(prompts[start : start + batch_prompts])
-        encoded = [prompt_ids(tokenizer, prompt) for prompt in chunk]
-        width = max(map(len, encoded))
-        ids = torch.tensor([[pad] * (width - len(x)) + x for x in encoded], device=device)
-        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in encoded], device=device)
-        with own_distribution(model):
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-        tokens = out.sequences[:, width:]  # (n * G, new)
-        steps = [(s.float() / temperature).log_softmax(-1).gather(-1, tokens[:, t, None])
-                 for t, s in enumerate(out.logits)]  # fmt: skip
-        picked = torch.cat(steps, 1)  # (n * G, new): the policy's log-probs at `temperature`, before any cut
+    for call in range(calls):
+        chunk = chunks[call] if call < len(chunks) else [STAND_IN]
+        tokens, picked = _generate(model, tokenizer, chunk, config, device, synced)
+        if call >= len(chunks):
+            continue  # a stand-in call: it kept this rank in step with the others
         for k, prompt in enumerate(chunk):
             completions, behaviour = [], []
             for row in range(k * group_size, (k + 1) * group_size):
@@ -158,7 +190,26 @@ def sample_groups(
                 behaviour.append([round(float(x), 6) for x in picked[row, :n]])
             texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
             groups.append({"prompt": prompt, "completions": completions, "texts": texts, "behaviour_logps": behaviour})
+    if synced:
+        reshard(model)  # no backward follows: the root's parameters, gathered since the first forward, freed
     return groups
+
+
+def _generate(model, tokenizer, chunk: list[Prompt], config: GenerationConfig, device: torch.device,
+              synced: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One `generate` call on `chunk`'s prompts (left-padded): the drawn tokens (n * G, new) and the policy's
+    log-probs of each at the config's temperature, before any cut (n * G, new)."""
+    encoded = [prompt_ids(tokenizer, prompt) for prompt in chunk]
+    width = max(map(len, encoded))
+    pad = config.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(x)) + x for x in encoded], device=device)
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in encoded], device=device)
+    with own_distribution(model):
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, synced_gpus=synced)
+    tokens = out.sequences[:, width:]  # (n * G, new)
+    steps = [(s.float() / config.temperature).log_softmax(-1).gather(-1, tokens[:, t, None])
+             for t, s in enumerate(out.logits)]  # fmt: skip
+    return tokens, torch.cat(steps, 1)
 
 
 def score_groups(groups: list[dict], reward: RewardFunction, **columns: Sequence) -> None:

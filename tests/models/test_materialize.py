@@ -70,6 +70,21 @@ def test_a_deferred_model_has_meta_parameters_real_buffers_and_one_tied_storage(
     assert lm.hf_model.config._attn_implementation == whole.hf_model.config._attn_implementation
 
 
+def test_a_deferred_pretrained_model_keeps_the_generation_config_its_folder_ships(tmp_path):
+    """The ids a completion ends at are the folder's `generation_config.json` (Qwen2.5-Instruct ships two), which
+    `from_pretrained` reads and a skeleton built from the config alone did not: on-policy sampling under FSDP2 ran
+    past the second one, and the export wrote the default config."""
+    from tests.cli.test_configs import saved_tiny
+
+    folder = saved_tiny(tmp_path)
+    shipped = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**shipped, "eos_token_id": [2, 5]}))
+    with deferred_weights():
+        lm = PackedCausalLM(name_or_path=str(folder), memory_check=False)
+    expected = AutoModelForCausalLM.from_pretrained(folder).generation_config.eos_token_id
+    assert lm.hf_model.generation_config.eos_token_id == [2, 5] == expected
+
+
 def test_the_skeletons_probe_holds_the_root_and_one_layer_of_each_kind_never_the_model():
     """Inside `probe_values` the skeleton's parameters are host tensors: what lies outside the decoder layers
     whole, the layers of one kind sharing one layer's values (the model's own init); outside, meta again."""
