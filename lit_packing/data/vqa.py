@@ -17,6 +17,7 @@ order: an image's questions one after another.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,10 +84,13 @@ class EasyVQA(Source):
         return splits[self.split] if self.split else datasets.DatasetDict(splits)
 
     def _split(self, split: str, features: Features, cache_dir: str | None) -> datasets.Dataset:
+        folder = str(package_file("easy_vqa", "data"))
+        # The rows hold the images' paths in this environment: another environment's cache would point elsewhere.
+        where = hashlib.sha256(folder.encode()).hexdigest()[:12]
         return datasets.Dataset.from_generator(
             _easy_vqa,
             features=features,
-            gen_kwargs={"folder": str(package_file("easy_vqa", "data")), "split": split, "limit": self.limit},
+            gen_kwargs={"folder": folder, "split": split, "limit": self.limit},
             cache_dir=cache_dir,
-            fingerprint=f"{self.fingerprint}-{split}",  # each split its own: caches downstream are keyed by it
+            fingerprint=f"{self.fingerprint}-{split}-{where}",  # each split its own: caches downstream are keyed by it
         )
