@@ -5,7 +5,7 @@ How each command is checked (smoke-sized, in one scratch folder, page by page: R
 name, each in its own order, so that `--ckpt_path` finds the checkpoint an earlier `fit` on the same page wrote):
 - `python main.py ...`: run in-process through `cli_main` with the command's own arguments, then a tiny random
   model of SmolLM2's shape and a short run appended (`--trainer.max_steps=2 --data.limit=64`; an image-chat config
-  keeps its own vision-language model, on 64 questions). The own-data example
+  runs a tiny vision-language model around it, on 32 questions). The own-data example
   runs with only the tiny model appended, on a 30-chat file, so its validation split and cadence are the ones the
   page shows. Commands that need a GPU or the Hub (`configs/gpu.yaml`, a Hub model name) and the `main.py`
   command inside a multi-node launcher (`torchrun`, `srun`) are checked for parse errors only (`--print_config`):
@@ -183,8 +183,13 @@ def main_py_args(words: list[str]) -> tuple[list[str], bool]:
     extra = [f"--model.model_config={json.dumps(TINY)}"]
     if "--model.name_or_path=" in joined:  # a local folder a page's command wrote (an export): its own weights
         extra = []
-    if "configs/vlm.yaml" in joined:  # image chats: the packaged VLM itself (a text model reads no image), 64 questions
-        extra = ["--data.source.init_args.limit=64", "--data.sampler.init_args.max_tokens=300"]  # 2 chats a step
+    if "configs/vlm.yaml" in joined:  # image chats: a tiny VLM around the tiny model (a text model reads no image)
+        from tests.cli.test_configs import saved_tiny_vlm
+
+        folder = Path("vlm_model") / "tiny_vlm"  # in the page's scratch folder: built once
+        folder = folder if folder.is_dir() else saved_tiny_vlm(Path("vlm_model"))
+        extra = [f"--model.name_or_path={folder.resolve()}", "--data.source.init_args.limit=32",
+                 "--data.sampler.init_args.max_tokens=300"]  # 2 chats a step  # fmt: skip
     if "HFDataset" not in joined:  # the own-data example runs as written, on its 30 chats
         resumes = "--ckpt_path" in joined and "--trainer.max_steps" in joined  # continues a run: its own limit
         extra += [arg for arg in SHORT if not (resumes and arg.startswith("--trainer.max_steps"))]

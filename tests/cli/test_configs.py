@@ -137,7 +137,7 @@ def test_config_fits_with_fast_dev_run(files, tmp_path, monkeypatch, every_core)
         overrides = [arg for arg in overrides if not arg.startswith("--model.model_config")]
         folder = saved_tiny_vlm(tmp_path)
         overrides += [f"--model.name_or_path={folder}"]  # the tokenizer (and its processor) follow the model
-        overrides += ["--data.source.init_args.limit=120", f"--model.export_dir={tmp_path / 'export'}"]
+        overrides += ["--data.source.init_args.limit=64", f"--model.export_dir={tmp_path / 'export'}"]
     cli = cli_main(["fit", *configs, *overrides, *pack_cap(files), *one_rank])
     assert cli.trainer.state.finished
     if files[-1].stem == "vlm":  # exported with its processor: the folder loads as the VLM and processor it was
